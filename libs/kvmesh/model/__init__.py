@@ -1,0 +1,1 @@
+"""Model code: Llama-architecture forward pass, loaders (GGUF, Hugging Face), tokenizer, weight quantization."""

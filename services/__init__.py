@@ -1,0 +1,1 @@
+"""kvmesh services: one package per box of the architecture (engine, kvcache, router, gateway, draft)."""
