@@ -1,0 +1,146 @@
+"""Runs the kvmesh topology as local processes: start with readiness waits, stop, status.
+
+State (pids, ports, log paths) lives in `<data dir>/stack.json`; each service logs to
+`<data dir>/logs/<service>.log`. The data directory is $KVMESH_DATA_DIR or ~/.kvmesh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("KVMESH_DATA_DIR", Path.home() / ".kvmesh"))
+
+
+@dataclass(frozen=True)
+class ServiceProc:
+    """One running service process of the local stack."""
+
+    name: str
+    pid: int
+    address: str
+    log: str
+
+
+class LaunchError(RuntimeError):
+    """A service did not come up; the message says which and where its log is."""
+
+
+def _state_path() -> Path:
+    return data_dir() / "stack.json"
+
+
+def load_state() -> list[ServiceProc]:
+    try:
+        return [ServiceProc(**p) for p in json.loads(_state_path().read_text())]
+    except FileNotFoundError:
+        return []
+
+
+def _save_state(procs: list[ServiceProc]) -> None:
+    path = _state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([asdict(p) for p in procs], indent=2))
+    tmp.replace(path)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def health(address: str, timeout_s: float = 2.0) -> str:
+    """The gRPC health status of a service ('SERVING', 'NOT_SERVING', or 'UNREACHABLE')."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=False)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def start_service(name: str, module: str, args: list[str], port: int, *,
+                  host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                  ready_timeout_s: float = 300.0) -> ServiceProc:
+    """Starts `python -m module args` detached, waits until its gRPC health says SERVING."""
+    logs = data_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{name}.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--host", host, "--port", str(port), *args],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True)
+    address = f"{host}:{port}"
+    svc = ServiceProc(name, proc.pid, address, str(log_path))
+    deadline = time.monotonic() + ready_timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                raise LaunchError(f"{name} exited with code {proc.returncode} during start; see {log_path}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                proc.terminate()
+                raise LaunchError(f"{name} not ready after {ready_timeout_s:.0f}s; see {log_path}")
+            try:
+                # wait_for_ready blocks on the channel (no sleep loop) until the server is up.
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""),
+                                  timeout=min(left, 5.0), wait_for_ready=True)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return svc
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    raise
+
+
+def stop_service(svc: ServiceProc, timeout_s: float = 20.0) -> bool:
+    """SIGTERM (graceful drain), then SIGKILL after `timeout_s`. True if it was running."""
+    if not alive(svc.pid):
+        return False
+    os.kill(svc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while alive(svc.pid) and time.monotonic() < deadline:
+        try:
+            os.waitpid(svc.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)  # polling another process's exit: no handle to wait on
+    if alive(svc.pid):
+        os.kill(svc.pid, signal.SIGKILL)
+    return True
+
+
+def up(engine_args: list[str], *, port: int = 50061) -> list[ServiceProc]:
+    """Starts the local stack (today: one engine) unless it is already running."""
+    running = [p for p in load_state() if alive(p.pid)]
+    if running:
+        return running
+    engine = start_service("engine", "kvmesh.services.engine", engine_args, port)
+    procs = [engine]
+    _save_state(procs)
+    return procs
+
+
+def down() -> list[str]:
+    """Stops every service of the local stack; returns the names that were running."""
+    stopped = [p.name for p in reversed(load_state()) if stop_service(p)]
+    _state_path().unlink(missing_ok=True)
+    return stopped

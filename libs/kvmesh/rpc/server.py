@@ -1,0 +1,202 @@
+"""RpcServer: an asyncio gRPC server with kvmesh's interceptor, health, reflection and drain.
+
+A service's `__main__` wires it up and hands it to `run_service`:
+
+    server = RpcServer("kvcache", ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s),
+                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s),
+                       [KVCACHE_SERVICE_FULL_NAME], on_drain=store.flush)
+    await run_service(server, config=cfg)      # start, log, SIGTERM → drain, wait
+
+NOTE (drain): at once, health reports NOT_SERVING (to Check and to open Watch streams) and new
+calls are answered UNAVAILABLE "draining; retry on another replica" — the server keeps its port
+meanwhile, so callers get that clear answer and health probes get NOT_SERVING rather than a
+refused connection. Then `on_drain` runs while in-flight calls finish, both within the grace
+period. As soon as both are done — or when grace runs out — every remaining call (health
+watches included) is cancelled and the server stops. A second SIGTERM/SIGINT stops it immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.config import describe
+from kvmesh.metrics import start_metrics_server
+from kvmesh.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from kvmesh.rpc.interceptors import ServerInterceptor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where an RpcServer listens and how it shuts down.
+
+    `port` 0 picks a free port (returned by `start`); `metrics_port` serves Prometheus
+    /metrics on the same host (0 = free port, None or negative = off).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    grace_s: float = 10.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0 = any free port), got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class RpcServer:
+    """One service's gRPC server: kvmesh interceptor, health, reflection, graceful drain.
+
+    `register(server)` adds the servicers; `service_full_names` (e.g.
+    "kvmesh.engine.v1.EngineService") are announced by reflection and reported SERVING by
+    health once started. `on_drain` is awaited once when a drain begins, after new calls are
+    refused, alongside the in-flight calls (e.g. stop admitting work, flush, wait for jobs).
+    """
+
+    def __init__(self, name: str, options: ServerOptions,
+                 register: Callable[[grpc.aio.Server], None], service_full_names: list[str],
+                 on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.name = name
+        self.options = options
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._register = register
+        self.services = tuple(service_full_names)
+        self._on_drain = on_drain
+        self._interceptor = ServerInterceptor()
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._force_task: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        """host:port the server listens on (after `start`)."""
+        return _address(self.options.host, self.port or self.options.port)
+
+    async def start(self) -> int:
+        """Bind, register everything, start serving and report SERVING; returns the port."""
+        if self._server is not None:
+            raise RuntimeError(f"{self.name} server already started")
+        size = self.options.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=[self._interceptor],
+            options=[("grpc.max_send_message_length", size),
+                     ("grpc.max_receive_message_length", size),
+                     ("grpc.so_reuseport", 0)])  # a busy port is an error, never shared
+        self._register(server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        address = _address(self.options.host, self.options.port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"{self.name}: cannot listen on {address} ({e}); is another process "
+                          "using the port? pick another port, or 0 for any free one") from e
+        for service in ("", *self.services):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await server.start()
+        self._server, self.port = server, port
+        self.metrics_port = start_metrics_server(self.options.host, self.options.metrics_port)
+        return port
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stop gracefully (see the module NOTE); `grace_s` defaults to the options' grace.
+
+        Idempotent: later calls wait for the drain already under way.
+        """
+        if self._server is None:
+            raise RuntimeError(f"{self.name} server is not started")
+        if self._drain_task is None:
+            grace = self.options.grace_s if grace_s is None else grace_s
+            self._drain_task = asyncio.ensure_future(self._drain(grace))
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self, grace: float) -> None:
+        assert self._server is not None and self._health is not None  # drain() checked
+        try:
+            log.info("%s: draining, %d calls in flight, grace %.1fs", self.name,
+                     self._interceptor.in_flight, grace)
+            self._interceptor.refuse_new_calls(
+                f"{self.name} is draining for shutdown; retry on another replica")
+            await self._health.enter_graceful_shutdown()
+            idle = asyncio.ensure_future(self._interceptor.wait_idle())
+            hook = asyncio.ensure_future(self._run_on_drain())
+            await asyncio.wait([idle, hook], timeout=grace)
+            if not hook.done():
+                log.warning("%s: on_drain did not finish within the grace period", self.name)
+            if not idle.done():
+                log.warning("%s: grace period over, cancelling %d calls in flight", self.name,
+                            self._interceptor.in_flight)
+            idle.cancel()
+            hook.cancel()
+            await self._server.stop(None)  # cancels what is left, health watches included
+            log.info("%s: stopped", self.name)
+        finally:
+            self._closed.set()
+
+    async def _run_on_drain(self) -> None:
+        if self._on_drain is None:
+            return
+        try:
+            await self._on_drain()
+        except Exception:
+            log.exception("%s: on_drain failed; draining anyway", self.name)
+
+    def install_signal_handlers(self) -> None:
+        """On the running loop: first SIGTERM/SIGINT drains, a second one stops at once."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._drain_task is None:
+            log.info("%s: %s received, draining (send it again to stop now)", self.name, sig.name)
+            self._drain_task = asyncio.ensure_future(self._drain(self.options.grace_s))
+        elif self._server is not None and self._force_task is None:
+            log.warning("%s: second %s, stopping now", self.name, sig.name)
+            self._force_task = asyncio.ensure_future(self._server.stop(None))
+
+    async def wait_closed(self) -> None:
+        """Return once a drain has stopped the server (re-raising a drain failure)."""
+        await self._closed.wait()
+        if self._drain_task is not None:
+            await self._drain_task
+
+
+async def run_service(server: RpcServer, *, config: object | None = None) -> None:
+    """Start `server`, log `config` and the address, drain on SIGTERM/SIGINT, wait until closed.
+
+    Also prints one line `kvmesh-<name> listening on <host>:<port>` to stdout for launchers.
+    """
+    if config is not None:
+        log.info("%s config: %s", server.name, describe(config))
+    port = await server.start()
+    server.install_signal_handlers()
+    log.info("%s: serving %s on %s", server.name, ", ".join(server.services), server.address)
+    if server.metrics_port is not None:
+        log.info("%s: metrics on http://%s/metrics", server.name,
+                 _address(server.options.host, server.metrics_port))
+    print(f"kvmesh-{server.name} listening on {_address(server.options.host, port)}", flush=True)
+    await server.wait_closed()

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvmesh bench <name>`: workloads, runners, side-by-side reports."""

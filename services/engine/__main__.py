@@ -1,0 +1,49 @@
+"""`python -m kvmesh.services.engine`: the engine service process (wiring only)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from kvmesh.config import describe, load_config
+from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from kvmesh.rpc.server import RpcServer, ServerOptions, run_service
+from kvmesh.services.engine import metrics
+from kvmesh.services.engine.build import build_async_engine, model_info, set_threads
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.servicer import EngineServicer
+from kvmesh.telemetry import setup_telemetry
+
+log = logging.getLogger("kvmesh.engine")
+SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+async def serve(cfg: EngineConfig) -> None:
+    setup_telemetry("kvmesh-engine", otlp_endpoint=cfg.otlp_endpoint)
+    threads = set_threads(cfg.threads)
+    engine = build_async_engine(cfg)
+    engine.on_step = metrics.record_step
+    servicer = EngineServicer(engine, model_info(engine.core, cfg))
+    server = RpcServer(
+        "engine",
+        ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s,
+                      metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port),
+        lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s),
+        [SERVICE],
+        on_drain=lambda: engine.drain(cfg.grace_s))
+    log.info("torch threads: %d", threads)
+    try:
+        await run_service(server)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(EngineConfig, "engine", argv)
+    log.info("config: %s", describe(cfg))
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,163 @@
+"""The asyncio face of the engine: requests in from gRPC handlers, the step loop on its own thread.
+
+NOTE: threading model. Torch releases the GIL inside its kernels, so the step loop runs on one
+dedicated thread while the asyncio loop keeps serving RPCs. The two sides talk through a locked
+inbox (adds and aborts, applied between steps, so the core stays single-threaded) and per-request
+asyncio queues filled with `call_soon_threadsafe`. When a consumer goes away (client cancel,
+deadline), its generator's `finally` posts an abort, which frees the request's blocks at the next
+step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from typing import AsyncIterator
+
+from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.services.engine.core import EngineCore, EngineRequest, RequestOutput
+from kvmesh.services.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Runs an `EngineCore` on a background thread and streams outputs to asyncio consumers."""
+
+    def __init__(self, core: EngineCore, *, max_waiting: int) -> None:
+        self.core = core
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._draining = False
+        self._idle: asyncio.Event | None = None  # set when draining and the last stream ends
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+        self.on_step = None  # optional callback(core, outputs, seconds) for metrics
+
+    # ---- asyncio side ------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str = "") -> AsyncIterator[RequestOutput]:
+        """Validates and queues a request, then yields its outputs until the final one."""
+        if self._draining:
+            raise Unavailable("the engine is draining for shutdown; retry on another replica")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidArgument(f"request_id {request_id!r} is already running; use a unique id")
+        self.core.validate(prompt_token_ids, params)
+        if len(self._streams) >= self.max_waiting + self.core.sched_config.max_num_seqs:
+            raise ResourceExhausted(
+                f"the engine queue is full ({len(self._streams)} requests); retry later")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        req = EngineRequest(request_id, list(prompt_token_ids), params, time.monotonic())
+        self._post("add", req)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._post("abort", request_id)
+            if self._idle is not None and not self._streams:
+                self._idle.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a queued or running request; the consumer receives a final 'abort' output."""
+        known = request_id in self._streams
+        if known:
+            self._post("abort", request_id)
+        return known
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuses new requests and waits (up to `timeout_s`) for the running ones to finish."""
+        self._draining = True
+        self._idle = asyncio.Event()
+        if not self._streams:
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("drain timed out with %d requests still running", len(self._streams))
+
+    def shutdown(self) -> None:
+        """Stops the step loop thread (running requests are aborted)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _post(self, kind: str, payload: object) -> None:
+        with self._cond:
+            self._inbox.append((kind, payload))
+            self._cond.notify()
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _apply_inbox(self) -> None:
+        with self._cond:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, payload in items:
+            if kind == "add":
+                req: EngineRequest = payload  # type: ignore[assignment]
+                try:
+                    self.core.add_request(req)
+                except Exception as exc:  # noqa: BLE001 - delivered to the caller as its error
+                    self._deliver(exc, req.request_id)
+            else:
+                out = self.core.abort(payload)  # type: ignore[arg-type]
+                if out is not None:
+                    self._deliver(out, out.request_id)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self.core.has_work and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            self._apply_inbox()
+            if not self.core.has_work:
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.core.step()
+            except Exception:  # noqa: BLE001 - a failed step must not kill the engine
+                log.exception("engine step failed; aborting the requests in that batch")
+                self._abort_all(RuntimeError("engine step failed; see engine logs"))
+                continue
+            if self.on_step is not None:
+                self.on_step(self.core, outputs, time.perf_counter() - t0)
+            for out in outputs:
+                self._deliver(out, out.request_id)
+        self._abort_all(Unavailable("the engine stopped"))
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id in self.core.request_ids():
+            self.core.abort(request_id)
+            self._deliver(error, request_id)

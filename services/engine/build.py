@@ -1,0 +1,56 @@
+"""Wiring: config → loaded model → runner → core → async engine. Used by __main__, tests, benches."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvmesh.engine.v1 import engine_pb2
+from kvmesh.model.loader import LoadedModel, load_model
+from kvmesh.services.engine.async_engine import AsyncEngine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core import EngineCore
+from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
+from kvmesh.services.engine.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+def set_threads(threads: int) -> int:
+    """Sizes torch's intra-op pool; 0 means every core this process may use."""
+    n = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
+def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
+    """Loads the model (unless given) and builds a ready EngineCore sized by `cfg`."""
+    if loaded is None:
+        loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weight_format)
+    num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size)
+    max_len = cfg.max_model_len or loaded.config.max_position_embeddings
+    sched = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=max_len, block_size=cfg.block_size, max_waiting=cfg.max_waiting)
+    log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
+             runner.kv_cache_bytes / 2**20)
+    return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching)
+
+
+def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoResponse:
+    """The GetModelInfo answer for this engine."""
+    mc = core.loaded.config
+    return engine_pb2.GetModelInfoResponse(
+        model=cfg.served_name, weights_digest=core.loaded.weights_digest,
+        max_model_len=core.sched_config.max_model_len, vocab_size=mc.vocab_size,
+        dtype=cfg.dtype, weights=cfg.weight_format, block_size=core.runner.block_size,
+        num_blocks=core.runner.num_blocks, eos_token_ids=list(mc.eos_token_ids),
+        device=str(core.runner.device), num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+
+def build_async_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> AsyncEngine:
+    """Everything but the gRPC server."""
+    return AsyncEngine(build_core(cfg, loaded), max_waiting=cfg.max_waiting)

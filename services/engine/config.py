@@ -1,0 +1,51 @@
+"""Engine configuration: flags and KVMESH_ENGINE_* environment variables, frozen after start."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvmesh.config import ConfigError, setting
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine service needs to start; see `kvmesh-engine --help`."""
+
+    host: str = setting("127.0.0.1", "Address the gRPC server binds (loopback by default).")
+    port: int = setting(50061, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
+    metrics_port: int = setting(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.", min=-1, max=65535)
+    model: str = setting("bundled", "Model source: 'bundled' (SmolLM2-135M-Instruct GGUF), a .gguf path, or a Hugging Face checkpoint folder.")
+    served_name: str = setting("smollm2-135m-instruct", "Model name reported to clients.")
+    dtype: str = setting("float32", "Compute dtype.", choices=("float32", "bfloat16"))
+    weights: str = setting("auto", "Weight format: auto (= the compute dtype), fp32, bf16, or weight-only int8/int4.", choices=("auto", "fp32", "bf16", "int8", "int4"))
+    device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N.")
+    threads: int = setting(0, "Torch intra-op threads; 0 = all cores. In a multi-process stack give the busy engine the cores.", min=0)
+    block_size: int = setting(16, "Tokens per paged-KV block.", min=1, max=1024)
+    kv_cache_bytes: int = setting(1024 * MiB, "Byte budget of the paged KV pool (never exceeded). Ignored when num_blocks > 0.", min=1)
+    num_blocks: int = setting(0, "Paged KV pool size in blocks; 0 derives it from kv_cache_bytes.", min=0)
+    max_model_len: int = setting(0, "Max prompt + generated tokens per request; 0 = the model's context length.", min=0)
+    max_num_seqs: int = setting(64, "Max sequences in one batch.", min=1)
+    max_num_batched_tokens: int = setting(512, "Per-step token budget (decodes + prefill chunks).", min=16)
+    max_waiting: int = setting(1024, "Queue cap; requests beyond it get RESOURCE_EXHAUSTED.", min=1)
+    enable_prefix_caching: bool = setting(True, "Reuse full KV blocks of identical prompt prefixes inside the engine.")
+    grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
+    otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
+
+    def validate(self) -> None:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(
+                f"--device {self.device!r} is not supported; use cpu, cuda or cuda:N "
+                "(KVMESH_ENGINE_DEVICE)")
+        if self.weights == "bf16" and self.dtype != "bfloat16":
+            raise ConfigError("--weights bf16 needs --dtype bfloat16 (KVMESH_ENGINE_DTYPE=bfloat16)")
+        if self.weights == "fp32" and self.dtype != "float32":
+            raise ConfigError("--weights fp32 needs --dtype float32; use --weights auto to follow the dtype")
+
+    @property
+    def weight_format(self) -> str:
+        """The resolved weight format: 'auto' follows the compute dtype."""
+        if self.weights != "auto":
+            return self.weights
+        return "bf16" if self.dtype == "bfloat16" else "fp32"

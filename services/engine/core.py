@@ -1,0 +1,195 @@
+"""Engine core: one synchronous step = schedule → forward → sample → detokenize → stop checks.
+
+Single-threaded by design (the async wrapper runs it on its own thread); the scheduler and block
+manager are plain Python, the runner is the only part that touches tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.model.loader import LoadedModel
+from kvmesh.model.tokenizer import IncrementalDetokenizer
+from kvmesh.services.engine.block_manager import BlockManager
+from kvmesh.services.engine.runner import ModelRunner
+from kvmesh.services.engine.sampler import Sampler, make_generator
+from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.services.engine.sequence import Sequence
+from kvmesh.services.engine.stop import StopStringMatcher, check_stop
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request, as the core accepts it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: new tokens/text, and the summary when finished."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[str] = None   # stop | length | abort | stop_string
+    stop_reason: str = ""
+    usage: Optional[Usage] = None
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass
+class _State:
+    """Per-request bookkeeping the scheduler does not need: text, stop strings, randomness."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    generator: Optional[torch.Generator]
+    first_token_time: Optional[float] = None
+
+
+class EngineCore:
+    """Continuous batching over one model: add requests, call `step()` until none are left."""
+
+    def __init__(self, loaded: LoadedModel, runner: ModelRunner, sched_config: SchedulerConfig,
+                 *, enable_prefix_caching: bool = True) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.runner = runner
+        # Prefix-cache hashes are namespaced by model identity and KV layout, so a changed model
+        # or dtype can never match stale blocks.
+        c = loaded.config
+        namespace = (f"{loaded.weights_digest}|{loaded.dtype}|L{c.num_layers}|H{c.num_kv_heads}"
+                     f"|D{c.head_dim}|B{runner.block_size}").encode()
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching,
+            namespace=namespace)
+        self.scheduler = Scheduler(sched_config, self.block_manager)
+        self.sched_config = sched_config
+        self.sampler = Sampler()
+        self.eos_token_ids = tuple(loaded.config.eos_token_ids)
+        self._states: dict[str, _State] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidArgument when the request cannot run on this engine."""
+        vocab = self.loaded.config.vocab_size
+        params.validate(prompt_len=len(prompt_token_ids),
+                        max_model_len=self.sched_config.max_model_len, vocab_size=vocab)
+        bad = [t for t in prompt_token_ids if t >= vocab]
+        if bad:
+            raise InvalidArgument(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {vocab}); "
+                "tokenize with this model's tokenizer")
+        needed = -(-(len(prompt_token_ids) + params.max_tokens) // self.runner.block_size)
+        if needed > self.runner.num_blocks:
+            raise InvalidArgument(
+                f"prompt + max_tokens needs {needed} KV blocks but the engine's pool has "
+                f"{self.runner.num_blocks}; lower max_tokens or raise --kv-cache-bytes")
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queues a validated request (ResourceExhausted when the queue is full)."""
+        seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+                       params=req.params, arrival_time=req.arrival_time)
+        generator = make_generator(req.params)
+        self.scheduler.add(seq)
+        self._states[req.request_id] = _State(
+            seq=seq,
+            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            matcher=StopStringMatcher(req.params.stop),
+            generator=generator)
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Stops a request and frees its blocks; returns its final output, or None if unknown."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish(state.seq, "abort")
+        return self._final(state, "abort", "")
+
+    def request_ids(self) -> list[str]:
+        """Ids of every queued or running request."""
+        return list(self._states)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns the outputs of every request that advanced."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        result = self.runner.execute(out)
+        self.scheduler.commit(out)
+        if not result.seqs:
+            return []
+        states = [self._states[s.request_id] for s in result.seqs]
+        sampled = self.sampler(result.logits, [s.params for s in result.seqs],
+                               [st.generator for st in states])
+        now = time.monotonic()
+        outputs = []
+        for i, (seq, state) in enumerate(zip(result.seqs, states)):
+            token = sampled.token_ids[i]
+            seq.append_token(token)
+            if state.first_token_time is None:
+                state.first_token_time = now
+            outputs.append(self._emit(state, token, sampled.logprobs[i]))
+        return outputs
+
+    def _emit(self, state: _State, token: int, logprob) -> RequestOutput:
+        seq = state.seq
+        reason = check_stop(seq, token, self.eos_token_ids)
+        # Stop/eos tokens end the request but are not part of the text.
+        text_piece = "" if reason == "stop" else state.detok.step([token])
+        emit, hit = state.matcher.feed(text_piece)
+        out = RequestOutput(request_id=seq.request_id, token_ids=[token], text=emit,
+                            logprobs=[logprob] if logprob is not None else [])
+        if hit is not None:
+            return self._finish(state, out, "stop_string", hit)
+        if reason is not None:
+            out.text += state.matcher.flush()
+            stop_reason = str(token) if reason == "stop" else ""
+            return self._finish(state, out, reason, stop_reason)
+        return out
+
+    def _finish(self, state: _State, out: RequestOutput, reason: str, stop_reason: str) -> RequestOutput:
+        self.scheduler.finish(state.seq, reason)
+        self._states.pop(state.seq.request_id, None)
+        final = self._final(state, reason, stop_reason)
+        final.token_ids, final.text, final.logprobs = out.token_ids, out.text, out.logprobs
+        return final
+
+    def _final(self, state: _State, reason: str, stop_reason: str) -> RequestOutput:
+        seq = state.seq
+        now = time.monotonic()
+        ttft = (state.first_token_time or now) - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id, finished=True, finish_reason=reason,
+            stop_reason=stop_reason,
+            usage=Usage(prompt_tokens=seq.num_prompt_tokens,
+                        completion_tokens=len(seq.output_token_ids),
+                        cached_prompt_tokens=seq.num_cached_tokens),
+            ttft_s=ttft, e2e_s=now - seq.arrival_time)

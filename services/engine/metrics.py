@@ -1,0 +1,35 @@
+"""Engine Prometheus metrics. Names follow vLLM's (`vllm:X` → `kvmesh_engine_X`)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from kvmesh.services.engine.core import EngineCore, RequestOutput
+
+_LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+RUNNING = Gauge("kvmesh_engine_num_requests_running", "Requests in the running batch.")
+WAITING = Gauge("kvmesh_engine_num_requests_waiting", "Requests waiting to be scheduled.")
+KV_USAGE = Gauge("kvmesh_engine_kv_cache_usage_perc", "Fraction of paged-KV blocks in use (0-1).")
+PROMPT_TOKENS = Counter("kvmesh_engine_prompt_tokens", "Prompt tokens of finished requests.")
+GEN_TOKENS = Counter("kvmesh_engine_generation_tokens", "Generated tokens.")
+CACHED_TOKENS = Counter("kvmesh_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+REQUESTS = Counter("kvmesh_engine_request_success", "Finished requests by finish reason.", ["finished_reason"])
+TTFT = Histogram("kvmesh_engine_time_to_first_token_seconds", "Time to first token.", buckets=_LAT)
+E2E = Histogram("kvmesh_engine_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LAT)
+STEP = Histogram("kvmesh_engine_step_seconds", "Duration of one engine step.", buckets=_LAT)
+
+
+def record_step(core: EngineCore, outputs: list[RequestOutput], seconds: float) -> None:
+    """Step-loop hook: updates gauges and counters from one step's outputs."""
+    STEP.observe(seconds)
+    RUNNING.set(core.scheduler.num_running)
+    WAITING.set(core.scheduler.num_waiting)
+    KV_USAGE.set(core.block_manager.usage)
+    for out in outputs:
+        GEN_TOKENS.inc(len(out.token_ids))
+        if out.finished and out.usage is not None:
+            PROMPT_TOKENS.inc(out.usage.prompt_tokens)
+            CACHED_TOKENS.inc(out.usage.cached_prompt_tokens)
+            REQUESTS.labels(out.finish_reason).inc()
+            TTFT.observe(out.ttft_s)
+            E2E.observe(out.e2e_s)

@@ -1,0 +1,91 @@
+"""Model runner: turns a scheduled step into one forward pass over the paged KV cache.
+
+The only engine module that touches tensors. Everything it needs from the control plane arrives
+in a `SchedulerOutput`; everything it returns is plain logits for the sequences that need a token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
+from kvmesh.model.loader import LoadedModel
+from kvmesh.services.engine.scheduler import SchedulerOutput
+from kvmesh.services.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Logits for the sequences whose known tokens are now all computed."""
+
+    seqs: list[Sequence]     # sequences that get a new token this step, in batch order
+    logits: torch.Tensor     # [len(seqs), vocab] float32, on CPU
+
+
+def blocks_for_budget(loaded: LoadedModel, block_size: int, budget_bytes: int) -> int:
+    """How many KV blocks fit in `budget_bytes` (the pool never grows past it)."""
+    per_block = kv_bytes_per_block(loaded.config, block_size, loaded.model_dtype)
+    return max(1, budget_bytes // per_block)
+
+
+class ModelRunner:
+    """Owns the paged KV pool of one model on one device and runs forward passes over it."""
+
+    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = torch.device(loaded.device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [layers] x ([num_blocks, block_size, kv_heads, head_dim], same for V)
+        self.kv_caches = allocate_kv_cache(
+            loaded.config, num_blocks, block_size, loaded.model_dtype, self.device)
+        self.kv_cache_bytes = num_blocks * kv_bytes_per_block(
+            loaded.config, block_size, loaded.model_dtype)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Computes every scheduled token; returns logits where a sequence needs its next token."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for item in out.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            tokens = seq.all_token_ids
+            table = seq.block_table
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            context_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+        )
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches, attn)
+        if not sample_rows:
+            return StepResult([], torch.empty(0, self.loaded.config.vocab_size))
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return StepResult(sample_seqs, logits.float().cpu())

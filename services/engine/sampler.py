@@ -1,0 +1,133 @@
+"""Turns one step's logits into next tokens, each sequence with its own params and random stream."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.services.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position, under the model's unmodified distribution."""
+
+    token_id: int
+    logprob: float
+    """The chosen token's logprob."""
+    top: list[tuple[int, float]]
+    """The n most likely (token id, logprob), most likely first; n = SamplingParams.logprobs."""
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One entry per input row."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """None for rows whose request did not ask for logprobs."""
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside its row's top-k, then outside its row's top-p nucleus.
+
+    logits: [R, V] float32; top_k: [R] int64, 0 = off; top_p: [R] float32 in (0, 1], 1 = off.
+    Top-p keeps the smallest set of most likely tokens whose mass (after top-k) reaches p; the
+    most likely token always survives. Ties are broken by token id (stable sort) so it is exact.
+    """
+    num_rows, vocab = logits.shape
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    ranks = torch.arange(vocab, device=logits.device)  # [V]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # [R]
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)  # [R, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [R, V] mass of the strictly more likely tokens
+    outside = mass_before >= top_p[:, None]
+    outside[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A request's own random stream: seeded from params.seed, else randomly; None when greedy.
+
+    Keep it for the request's lifetime (not per step, not per admission): a preempted and
+    recomputed request then continues the same stream.
+    """
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+class Sampler:
+    """Samples the next token of N sequences from logits [N, vocab].
+
+    Greedy rows (temperature 0) are one batched argmax. Other rows get temperature, top-k and
+    top-p applied as one batched tensor op, then one draw each from the row's own generator
+    (see `make_generator`). A row's draw never touches another row's stream, so a seed
+    reproduces its output whatever else shares the batch.
+    Logprobs come from log_softmax of the raw logits, before temperature and filtering.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits [N, vocab]; params and generators: one per row (generators on logits' device)."""
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(generators) != len(params):
+            raise ValueError(
+                f"expected logits [{len(params)}, vocab] and {len(params)} generators, got "
+                f"{list(logits.shape)} and {len(generators)}"
+            )
+        logits = logits.float()
+        device = logits.device
+        token_ids = logits.argmax(dim=-1)  # [N]
+
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rparams = [params[i] for i in random_rows]
+            rows = torch.tensor(random_rows, device=device)  # [R]
+            temperature = torch.tensor([p.temperature for p in rparams], device=device)  # [R]
+            scaled = logits[rows] / temperature[:, None]  # [R, V]
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in rparams):
+                top_k = torch.tensor([p.top_k for p in rparams], device=device)
+                top_p = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
+                scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            probs = scaled.softmax(dim=-1)  # [R, V]
+            drawn = []
+            for j, i in enumerate(random_rows):
+                if generators[i] is None:
+                    raise ValueError(f"row {i} samples (temperature > 0) but has no generator")
+                drawn.append(torch.multinomial(probs[j], 1, generator=generators[i]))
+            token_ids[rows] = torch.cat(drawn)
+
+        ids = token_ids.tolist()
+        return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, params, ids))
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: list[SamplingParams], ids: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not lp_rows:
+            return out
+        device = logits.device
+        logprobs = torch.log_softmax(logits[torch.tensor(lp_rows, device=device)], dim=-1)  # [L, V]
+        chosen_ids = torch.tensor([ids[i] for i in lp_rows], device=device)  # [L]
+        chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
+        max_n = min(max(params[i].logprobs for i in lp_rows), logprobs.shape[-1])
+        top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # [L, max_n], most likely first
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(lp_rows):
+            n = params[i].logprobs
+            top = list(zip(top_ids[j][:n], top_vals[j][:n]))
+            out[i] = TokenLogprobs(token_id=ids[i], logprob=chosen[j], top=top)
+        return out

@@ -1,0 +1,108 @@
+"""Per-request sampling and stopping parameters, validated once at admission."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvmesh.errors import InvalidArgument
+
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples its tokens and when it stops.
+
+    Defaults follow the engine proto: greedy decoding, 256 tokens, no stop strings. Sequences are
+    stored as tuples so the object is hashable and cannot change under a running request; lists
+    passed by callers are converted on construction.
+    """
+
+    max_tokens: int = 256
+    """Maximum tokens to generate (1 .. context length - prompt length)."""
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise the logits are divided by it, in (0, 2]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; 1 disables."""
+    seed: int | None = None
+    """Seed of this request's own random stream; None draws a random seed."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the output text is cut before the first one that appears."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation, in addition to the model's end-of-sequence ids."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (benchmarks)."""
+    logprobs: int | None = None
+    """None: no log-probabilities. n: the chosen token's logprob plus the top-n alternatives."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of the logits."""
+        return self.temperature == 0.0
+
+    def validate(self, *, prompt_len: int, max_model_len: int, vocab_size: int) -> None:
+        """Raise InvalidArgument, saying what to fix, if this request cannot be served."""
+        if prompt_len < 1:
+            raise InvalidArgument("the prompt is empty; send at least one token")
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if prompt_len + self.max_tokens > max_model_len:
+            raise InvalidArgument(
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds the model's "
+                f"context length {max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if math.isnan(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got {self.temperature}"
+            )
+        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise InvalidArgument(f"seed must be in [0, 2^64 - 1], got {self.seed}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidArgument(
+                    f"logprobs must be in 0..{MAX_LOGPROBS} (top alternatives per token), got {self.logprobs}"
+                )
+        self._validate_stops(vocab_size)
+
+    def _validate_stops(self, vocab_size: int) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}; drop some"
+            )
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise InvalidArgument(f"stop[{i}] is empty; stop strings need at least one character")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidArgument(
+                    f"stop[{i}] is {len(s)} characters long; the limit is {MAX_STOP_STRING_CHARS}"
+                )
+        for tid in self.stop_token_ids:
+            _check_int("stop_token_ids", tid)
+            if not 0 <= tid < vocab_size:
+                raise InvalidArgument(
+                    f"stop token id {tid} is outside the vocabulary (0..{vocab_size - 1})"
+                )
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")

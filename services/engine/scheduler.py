@@ -1,0 +1,239 @@
+"""Continuous batching with chunked prefill under one per-step token budget."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.services.engine.block_manager import BlockManager
+from kvmesh.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one engine's batching; frozen after start."""
+
+    max_num_seqs: int = 64
+    """Most sequences running (holding KV blocks) at once."""
+    max_num_batched_tokens: int = 512
+    """Per-step token budget shared by decodes and prefill chunks."""
+    max_model_len: int
+    """Most tokens (prompt + generated) of one sequence."""
+    block_size: int
+    """Tokens per KV block; must match the BlockManager's."""
+    max_waiting: int = 1024
+    """Most queued requests; `Scheduler.add` refuses more with ResourceExhausted."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running decode fits in one step; raise the budget "
+                "or lower max_num_seqs"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens [start, start + num_new_tokens).
+
+    `start` and `needs_sampling` are snapshots taken when the step is scheduled, so they stay
+    right while the runner works and after `Scheduler.commit` advances the sequence.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int = field(init=False)
+    """Position of the first token to compute (the sequence's num_computed_tokens)."""
+    needs_sampling: bool = field(init=False)
+    """True when this chunk reaches the last known token: sample from its last position."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start", self.seq.num_computed_tokens)
+        object.__setattr__(self, "needs_sampling", self.start + self.num_new_tokens == self.seq.num_tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the model runner computes this step."""
+
+    scheduled: list[ScheduledSeq]
+    """Decodes first, then running prefill chunks, then newly admitted sequences."""
+    preempted: list[Sequence]
+    """Sequences that lost their KV blocks this step; they are waiting to be recomputed."""
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+# NOTE: the scheduling model (Sarathi-Serve's stall-free batching on vLLM v1's token budget).
+#
+# A sequence knows num_tokens tokens and has computed num_computed_tokens of them; each step
+# spends at most max_num_batched_tokens tokens, in this order:
+#   1. every running decode (exactly one token left to compute) gets its token;
+#   2. running sequences with a partial prefill get their next chunk, oldest first;
+#   3. waiting sequences are admitted first-come-first-served: prefix-cache hits count as
+#      computed, the rest is computed in chunks of whatever budget is left. Admission is strict
+#      FCFS (a head that does not fit blocks the queue) and is skipped in a step that preempted.
+# A long prompt therefore never delays decodes: it only uses the budget they leave.
+#
+# Preemption is by recompute. When a running sequence cannot get blocks, the most recently
+# arrived running sequence (the tail of `running`) is preempted: its blocks are freed (full ones
+# stay in the prefix cache until evicted), num_computed_tokens drops to 0 and it goes to the
+# FRONT of `waiting`. Its generated tokens are kept: on readmission they are computed like
+# prompt tokens, and sampling resumes after the last one, so its output continues exactly.
+#
+# Invariants that keep this simple:
+#   - running + waiting is in arrival order: admission moves waiting's head to running's tail,
+#     preemption moves running's tail to waiting's head. So running[-1] is the newest.
+#   - only the newest running sequence can be mid-prefill: a sequence is admitted only when the
+#     budget outlasted every older one, i.e. their prefills completed. So even with decodes
+#     going first, everything the loop scheduled before a sequence is older than it, and the
+#     victim (the newest, at least as new as the sequence being scheduled) was never already
+#     scheduled in this step: no step ever has to be unwound.
+
+
+class Scheduler:
+    """Decides, each step, which sequences compute how many tokens; owns waiting and running."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.block_size != block_manager.block_size:
+            raise ValueError(
+                f"SchedulerConfig.block_size ({config.block_size}) differs from the block "
+                f"manager's ({block_manager.block_size}); build both from the same value"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The waiting or running sequence with this id."""
+        return self._by_id.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (its SamplingParams already validated).
+
+        Raises ResourceExhausted when the waiting queue is full, InvalidArgument when the id is
+        taken or the sequence could never fit in the KV cache.
+        """
+        if len(self.waiting) >= self.config.max_waiting:
+            raise ResourceExhausted(
+                f"the engine's queue is full ({self.config.max_waiting} waiting requests); retry later"
+            )
+        if seq.num_prompt_tokens == 0:
+            raise InvalidArgument("the prompt is empty; send at least one token")
+        if seq.request_id in self._by_id:
+            raise InvalidArgument(f"request id {seq.request_id!r} is already in use; pick a unique id")
+        bs, bm = self.config.block_size, self.block_manager
+        max_len = seq.num_prompt_tokens + seq.params.max_tokens
+        if -(-max_len // bs) > bm.num_blocks:
+            raise InvalidArgument(
+                f"prompt + max_tokens ({max_len} tokens) needs {-(-max_len // bs)} KV blocks but the "
+                f"cache holds {bm.num_blocks}; shorten the prompt or lower max_tokens"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the NOTE). Allocates the blocks the planned tokens need."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or out of budget
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_hit = self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - num_hit, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_hit
+            seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=preempted,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens are computed; cache newly full blocks.
+
+        Sequences finished or aborted since `schedule` are skipped.
+        """
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq: free its blocks and forget it. Idempotent."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self._by_id.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting or running request as aborted; None if unknown or already finished."""
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute (see the NOTE)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,105 @@
+"""gRPC servicer for kvmesh.engine.v1: protobuf <-> domain objects only.
+
+Errors are raised as kvmesh.errors exceptions; the shared interceptor turns them into status codes.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+from google.protobuf import unknown_fields
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from kvmesh.errors import InvalidArgument
+from kvmesh.services.engine.async_engine import AsyncEngine
+from kvmesh.services.engine.core import RequestOutput
+from kvmesh.services.engine.sampling import SamplingParams
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "stop_string": common_pb2.FINISH_REASON_STOP_STRING,
+}
+
+
+def _reject_unknown_fields(msg, path: str) -> None:
+    """Unknown field numbers mean client and server disagree on the API: say so, don't guess."""
+    numbers = [f.field_number for f in unknown_fields.UnknownFieldSet(msg)]
+    if numbers:
+        raise InvalidArgument(
+            f"{path} has unknown field number(s) {numbers}; this engine speaks kvmesh.engine.v1 "
+            "as of its protos/ — regenerate the client stubs or upgrade the engine")
+
+
+def sampling_from_proto(sp: engine_pb2.SamplingParams) -> SamplingParams:
+    """Maps proto sampling fields (with presence) onto SamplingParams defaults."""
+    _reject_unknown_fields(sp, "sampling")
+    sampled = any(sp.HasField(f) for f in ("top_k", "top_p", "seed"))
+    temperature = sp.temperature if sp.HasField("temperature") else (1.0 if sampled else 0.0)
+    kwargs = dict(
+        temperature=float(temperature),
+        top_k=int(sp.top_k) if sp.HasField("top_k") else 0,
+        top_p=float(sp.top_p) if sp.HasField("top_p") else 1.0,
+        seed=int(sp.seed) if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
+        ignore_eos=bool(sp.ignore_eos),
+        logprobs=int(sp.logprobs) if sp.HasField("logprobs") else None,
+    )
+    if sp.HasField("max_tokens"):
+        kwargs["max_tokens"] = int(sp.max_tokens)
+    return SamplingParams(**kwargs)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Thin adapter from kvmesh.engine.v1 to the AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, info: engine_pb2.GetModelInfoResponse) -> None:
+        self.engine = engine
+        self.info = info
+
+    async def Generate(self, request: engine_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        _reject_unknown_fields(request, "GenerateRequest")
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("GenerateRequest needs a prompt: set `text` or `token_ids`")
+        tokenizer = self.engine.core.tokenizer
+        if which == "text":
+            ids = tokenizer.encode(request.text)
+        else:
+            _reject_unknown_fields(request.token_ids, "token_ids")
+            ids = list(request.token_ids.ids)
+        params = sampling_from_proto(request.sampling)
+        async for out in self.engine.generate(ids, params, request.request_id):
+            yield self._to_proto(out, tokenizer)
+
+    def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:
+        msg = engine_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids,
+                                          text=out.text)
+        for lp in out.logprobs:
+            msg.logprobs.append(engine_pb2.TokenLogprobs(
+                chosen=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                               text=tokenizer.decode([lp.token_id], skip_special_tokens=False)),
+                top=[common_pb2.TokenLogprob(token_id=t, logprob=v,
+                                             text=tokenizer.decode([t], skip_special_tokens=False))
+                     for t, v in lp.top]))
+        if out.finished:
+            u = out.usage
+            msg.final.CopyFrom(engine_pb2.Final(
+                finish_reason=_FINISH[out.finish_reason],
+                usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens,
+                                       completion_tokens=u.completion_tokens,
+                                       cached_prompt_tokens=u.cached_prompt_tokens),
+                stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s))
+        return msg
+
+    async def Abort(self, request: engine_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        return engine_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
+
+    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:
+        return self.info
