@@ -172,6 +172,57 @@ def bench_hf(plan: Plan, prompts: Prompts) -> list[dict]:
     return rows
 
 
+# ---- llama.cpp (llama-cpp-python, same GGUF file) ----------------------------------------------
+
+def bench_llamacpp(plan: Plan, prompts: Prompts) -> list[dict]:
+    """llama.cpp on the same GGUF (its native Q4_1 kernels), when llama-cpp-python is installed.
+
+    llama-cpp-python has no continuous batching in its Python API: concurrency c is measured as c
+    sequential requests (its aggregate throughput equals its single-stream rate)."""
+    from llama_cpp import Llama
+
+    from kvmesh.model.loader import bundled_gguf_path
+
+    threads = os.cpu_count() or 1
+    llm = Llama(model_path=str(bundled_gguf_path()), n_ctx=4096, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False, use_extra_bufts=False)
+
+    def gen(ids: list[int], new: int) -> tuple[float, float]:
+        """(time to first token, total time) for one greedy request."""
+        llm.reset()
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            n += 1
+            if n >= new:
+                break
+        return first - t0, time.perf_counter() - t0
+
+    rows = []
+    gen(prompts.take(16), 4)
+    rates = []
+    for _ in range(plan.repeats):
+        ttft, total = gen(prompts.take(plan.decode_prompt), plan.decode_tokens)
+        rates.append((plan.decode_tokens - 1) / (total - ttft))
+    rows.append(row("decode_tok_s", statistics.median(rates), "tok/s", system="llamacpp", concurrency=1))
+    for p in plan.ttft_prompts:
+        ttfts = [gen(prompts.take(p), 1)[0] for _ in range(plan.repeats)]
+        rows.append(row("ttft_s", statistics.mean(ttfts), "s", system="llamacpp", prompt_tokens=p))
+    for c in plan.concurrency:
+        t0 = time.perf_counter()
+        for _ in range(c):
+            gen(prompts.take(plan.conc_prompt), plan.conc_tokens)
+        rows.append(row("throughput_tok_s", c * plan.conc_tokens / (time.perf_counter() - t0), "tok/s",
+                        system="llamacpp", concurrency=c))
+    rows.append(row("rss_bytes", float(psutil.Process().memory_info().rss), "bytes", system="llamacpp"))
+    del llm
+    gc.collect()
+    return rows
+
+
 def run(quick: bool = False, engine_args: list[str] | None = None) -> list[dict]:
     """Runs both systems and prints the side-by-side table (kvmesh/hf ratios)."""
     from kvmesh.model.loader import load_tokenizer
@@ -180,6 +231,13 @@ def run(quick: bool = False, engine_args: list[str] | None = None) -> list[dict]
     prompts = Prompts(load_tokenizer("bundled"))
     print(f"kvmesh bench engine ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
     rows = bench_kvmesh(plan, prompts, engine_args or [])
+    # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llamacpp column skipped: llama-cpp-python is not installed (see README)", file=sys.stderr)
+    else:
+        rows += bench_llamacpp(plan, prompts)
     rows += bench_hf(plan, prompts)
     print(pivot(rows, "system", baseline="hf"))
     return rows

@@ -170,7 +170,12 @@ class EngineCore:
         if hit is not None:
             return self._finish(state, out, "stop_string", hit)
         if reason is not None:
-            out.text += state.matcher.flush()
+            tail = state.detok.flush() if reason != "stop" else ""
+            emit_tail, hit = state.matcher.feed(tail)
+            if hit is not None:
+                out.text += emit_tail
+                return self._finish(state, out, "stop_string", hit)
+            out.text += emit_tail + state.matcher.flush()
             stop_reason = str(token) if reason == "stop" else ""
             return self._finish(state, out, reason, stop_reason)
         return out

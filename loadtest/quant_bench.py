@@ -1,0 +1,94 @@
+"""Quality and speed of the weight formats (fp32, bf16, int8, int4) on the bundled model.
+
+For each format: perplexity on the first 8192 tokens of ``kvmesh.model.reference_text()``
+(quick: 2048) with window 1024 / stride 512, its change against fp32, and single-sequence greedy
+decode speed through the paged forward path (the engine's path: AttentionMetadata + KV cache).
+
+    python loadtest/quant_bench.py [--quick] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import torch
+
+from kvmesh.model import AttentionMetadata, allocate_kv_cache, load_model, perplexity, reference_text
+
+FORMATS = (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "float32"), ("int4", "float32"))
+BLOCK_SIZE = 16
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(lm, prompt: list[int], new_tokens: int, warmup: int = 4) -> float:
+    """Greedy-decode one sequence through ``forward``; tokens/s over the decode steps only."""
+    model, dev = lm.model, lm.device
+    total = len(prompt) + new_tokens + warmup
+    nblocks = -(-total // BLOCK_SIZE)
+    kv = allocate_kv_cache(lm.config, nblocks, BLOCK_SIZE, lm.dtype, dev)
+    table = torch.arange(nblocks, device=dev)[None]  # one sequence owns blocks 0..n-1
+
+    def step(ids: list[int], start: int) -> int:
+        pos = torch.arange(start, start + len(ids), device=dev)
+        meta = AttentionMetadata.build(pos.clone(), [len(ids)], [start + len(ids)], table, BLOCK_SIZE)
+        hidden = model(torch.tensor(ids, device=dev), pos, kv, meta)
+        return int(model.compute_logits(hidden[-1:]).argmax())  # .item() syncs the device
+
+    tok = step(prompt, 0)
+    n = len(prompt)
+    for _ in range(warmup):
+        tok, n = step([tok], n), n + 1
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        tok, n = step([tok], n), n + 1
+    return new_tokens / (time.perf_counter() - t0)
+
+
+def run(quick: bool, device: str = "cpu") -> list[dict]:
+    """Measure every format; rows {"weights", "metric", "value", "unit"}."""
+    n_tokens = 2048 if quick else 8192
+    decode_steps = 32 if quick else 128
+    rows: list[dict] = []
+    base_ppl = None
+    ids = None
+    for weights, dtype in FORMATS:
+        lm = load_model("bundled", dtype=dtype, device=device, weights=weights)
+        if ids is None:
+            ids = lm.tokenizer.encode(reference_text())[:n_tokens]
+        ppl = perplexity(lm.model, ids, window=1024, stride=512)
+        base_ppl = base_ppl or ppl
+        tps = decode_tokens_per_s(lm, ids[:64], decode_steps)
+        rows += [
+            {"weights": weights, "metric": "ppl", "value": ppl, "unit": f"ppl@{len(ids)}tok"},
+            {"weights": weights, "metric": "ppl_delta_pct", "value": 100 * (ppl - base_ppl) / base_ppl, "unit": "%"},
+            {"weights": weights, "metric": "decode_tok_s", "value": tps, "unit": "tok/s"},
+        ]
+        del lm
+        gc.collect()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    metrics = list(dict.fromkeys(r["metric"] for r in rows))
+    cell = {(r["weights"], r["metric"]): r["value"] for r in rows}
+    lines = ["| weights | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    for w in dict.fromkeys(r["weights"] for r in rows):
+        lines.append(f"| {w} | " + " | ".join(f"{cell[(w, m)]:.3f}" for m in metrics) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2048-token perplexity, 32 decode steps")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    rows = run(args.quick, args.device)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {sys.version.split()[0]}")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()

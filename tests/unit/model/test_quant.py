@@ -1,0 +1,94 @@
+"""Weight-only int8/int4: bounded error on the tiny model, exact Q4_1 recovery, kernel == fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvmesh.model.loader import load_model
+from kvmesh.model.quant import SMALL_BATCH, QuantLinear, quantize_model
+
+from .conftest import TinyCheckpoint, make_tiny_hf
+from .paged import PagedRunner
+
+
+@pytest.fixture(scope="module")
+def tiny_q(tmp_path_factory) -> TinyCheckpoint:
+    """Tiny model at HF's default init scale (0.02): weight statistics like a trained model's."""
+    return make_tiny_hf(tmp_path_factory.mktemp("tiny_q"), init=0.02)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("mode, bound", [("int8", 0.02), ("int4", 0.15)])
+def test_quantized_forward_close_to_fp32(tiny_q, mode, bound):
+    ref = load_model(str(tiny_q.folder)).model
+    lm = load_model(str(tiny_q.folder), weights=mode)
+    assert lm.weights == mode
+    model = lm.model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 2 * 7  # q,k,v,o,gate,up,down per layer; lm_head and embedding untouched
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.float32
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (3, 40))
+    assert ids.numel() > max(SMALL_BATCH.values())
+    want = ref.forward_dense(ids)
+    got = model.forward_dense(ids)  # 120 rows per matmul: dequantize path (above SMALL_BATCH)
+    assert 0 < _rel_err(got, want) < bound
+    # decode path (one row per matmul: the packed kernel where there is one) is close as well
+    runner = PagedRunner(model, 1)
+    runner.step({0: ids[0, :30].tolist()})
+    steps = torch.cat([runner.step({0: [t]})[0] for t in ids[0, 30:].tolist()])
+    assert _rel_err(steps, want[0, 30:]) < bound
+
+
+def _q41_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight with GGUF Q4_1 structure: per 32-group w = d*q + m, d and m fp16, q spanning 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # llama.cpp's quantizer puts the group min at 0 and max at 15
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(n, k // 32, 1, generator=g) * 0.05).half().float()
+    return (q * d + m).view(n, k), q.view(n, k)
+
+
+def test_int4_recovers_q4_1_exactly():
+    w, q = _q41_weight(96, 128)
+    lin = nn.Linear(128, 96, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    ql = QuantLinear.from_linear(lin, "int4")
+    assert torch.equal(ql.nibbles().long(), q)
+    torch.testing.assert_close(ql.dequantize(), w, rtol=0, atol=1e-7)
+    x = torch.randn(max(SMALL_BATCH.values()) + 1, 128)  # dequantize path, fp32: matches the fp32 layer
+    torch.testing.assert_close(ql(x), lin(x), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_kernel_and_fallback_agree(mode):
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 192, bias=False)
+    ql = QuantLinear.from_linear(lin, mode)
+    x = torch.randn(3, 5, 256)
+    fallback = torch.nn.functional.linear(x, ql.dequantize())
+    got = ql(x)  # 15 rows: kernel path when the device has one
+    assert got.shape == (3, 5, 192) and got.dtype == torch.float32
+    # the kernel runs on bf16 activations: agreement to bf16 precision
+    torch.testing.assert_close(got, fallback, rtol=2e-2, atol=2e-2 * fallback.abs().max().item())
+    ql._kernel = None  # a device without the op
+    torch.testing.assert_close(ql(x), fallback, rtol=1e-6, atol=1e-5)
+    assert _rel_err(ql.dequantize(), lin.weight.detach()) < (0.01 if mode == "int8" else 0.1)
+
+
+def test_quantize_rejects_bad_input(tiny):
+    with pytest.raises(ValueError, match="mode"):
+        quantize_model(nn.Sequential(nn.Linear(32, 32, bias=False)), "int3")
+    with pytest.raises(ValueError, match="divisible"):
+        QuantLinear.from_linear(nn.Linear(48, 8, bias=False), "int4")
+    with pytest.raises(ValueError, match="weights='bf16'"):
+        load_model(str(tiny.folder), dtype="float32", weights="bf16")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(str(tiny.folder), dtype="float64")
