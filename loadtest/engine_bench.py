@@ -114,14 +114,15 @@ async def _kvmesh_workload(address: str, prompts: Prompts, plan: Plan, proc: psu
     return rows
 
 
-def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str]) -> list[dict]:
+def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: str = "kvmesh") -> list[dict]:
     from kvmesh import launcher
 
     port = _free_port()
     svc = launcher.start_service("bench-engine", "kvmesh.services.engine",
                                  ["--threads", str(os.cpu_count() or 1), *engine_args], port)
     try:
-        return asyncio.run(_kvmesh_workload(svc.address, prompts, plan, psutil.Process(svc.pid)))
+        rows = asyncio.run(_kvmesh_workload(svc.address, prompts, plan, psutil.Process(svc.pid)))
+        return [{**r, "system": system} for r in rows]
     finally:
         launcher.stop_service(svc)
 
@@ -231,6 +232,9 @@ def run(quick: bool = False, engine_args: list[str] | None = None) -> list[dict]
     prompts = Prompts(load_tokenizer("bundled"))
     print(f"kvmesh bench engine ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
     rows = bench_kvmesh(plan, prompts, engine_args or [])
+    # int4 group-32 weights reproduce the bundled Q4_1 GGUF exactly (perplexity unchanged, see
+    # `kvmesh bench quant`), at a quarter of fp32's bytes read per decoded token.
+    rows += bench_kvmesh(plan, prompts, [*(engine_args or []), "--weights", "int4"], system="kvmesh-int4")
     # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
     try:
         import llama_cpp  # noqa: F401

@@ -68,6 +68,7 @@ def run(quick: bool, device: str = "cpu") -> list[dict]:
         ]
         del lm
         gc.collect()
+    print(format_table(rows))
     return rows
 
 
@@ -85,9 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="2048-token perplexity, 32 decode steps")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    rows = run(args.quick, args.device)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {sys.version.split()[0]}")
-    print(format_table(rows))
+    run(args.quick, args.device)
 
 
 if __name__ == "__main__":

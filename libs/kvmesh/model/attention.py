@@ -199,7 +199,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for p in meta.prefills:
         # Prefill chunks have many queries: repeat the KV heads (HF's repeat_kv order) and let
         # SDPA run plain causal or with this chunk's precomputed [q, ctx] mask.
-        qs = q[p.start:p.start + p.q_len].transpose(0, 1)  # [heads, q, hd]
+        # Contiguous 4-D operands: torch's CPU flash kernel runs ~3x faster on them than on the
+        # strided 3-D views (measured: 24 vs 75 ms for a 512x2048 chunk of one layer).
+        qs = q[p.start:p.start + p.q_len].transpose(0, 1).contiguous()[None]  # [1, heads, q, hd]
         if p.blocks is None:
             ks = k[p.start:p.start + p.q_len]  # [q, kvh, hd]: all keys are new
             vs = v[p.start:p.start + p.q_len]
@@ -207,8 +209,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ks = meta.gather_blocks(k_cache, p.blocks, "pk")[: p.ctx_len]  # [c, kvh, hd]
             vs = meta.gather_blocks(v_cache, p.blocks, "pv")[: p.ctx_len]
         g = q.shape[1] // kvh
-        ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)  # [heads, c, hd]
-        vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)
+        ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, c, hd] (contiguous)
+        vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scale)
-        out[p.start:p.start + p.q_len] = o.transpose(0, 1)
+        out[p.start:p.start + p.q_len] = o[0].transpose(0, 1)
     return out
