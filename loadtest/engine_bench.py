@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import socket
 import statistics
 import sys
 import time
@@ -54,11 +53,6 @@ class Prompts:
         self.offset += n
         return out
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- kvmesh (gRPC service process) -----------------------------------------------------------
@@ -117,7 +111,7 @@ async def _kvmesh_workload(address: str, prompts: Prompts, plan: Plan, proc: psu
 def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: str = "kvmesh") -> list[dict]:
     from kvmesh import launcher
 
-    port = _free_port()
+    port = launcher.free_port()
     svc = launcher.start_service("bench-engine", "kvmesh.services.engine",
                                  ["--threads", str(os.cpu_count() or 1), *engine_args], port)
     try:

@@ -1,7 +1,6 @@
 """Test helpers for driving an EngineCore synchronously (no threads, exact)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from kvmesh.services.engine.build import build_core
@@ -42,7 +41,3 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], params: dict[str, S
                 r["final"] = out
     assert all(r["final"] is not None for r in results.values()), "engine stopped with unfinished requests"
     return results
-
-
-def replace(cfg: EngineConfig, **kw) -> EngineConfig:
-    return dataclasses.replace(cfg, **kw)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,6 +54,13 @@ def _save_state(procs: list[ServiceProc]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps([asdict(p) for p in procs], indent=2))
     tmp.replace(path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on `host` (for tests and benchmarks that start services)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

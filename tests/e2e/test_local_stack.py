@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,11 +18,6 @@ from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvmesh.cli", *args], env=env,
@@ -32,7 +26,7 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_up_status_chat_down(tmp_path):
     env = {**os.environ, "KVMESH_DATA_DIR": str(tmp_path)}
-    port = _free_port()
+    port = launcher.free_port()
     up = _kvmesh("up", "--engine-port", str(port), "--engine-arg=--kv-cache-bytes=67108864", env=env)
     assert up.returncode == 0, up.stderr
     try:
@@ -53,7 +47,7 @@ def test_up_status_chat_down(tmp_path):
 
 def test_sigterm_drains_in_flight_requests(tmp_path, monkeypatch):
     monkeypatch.setenv("KVMESH_DATA_DIR", str(tmp_path))
-    port = _free_port()
+    port = launcher.free_port()
     svc = launcher.start_service("engine", "kvmesh.services.engine",
                                  ["--kv-cache-bytes", "67108864", "--grace-s", "60"], port)
 
