@@ -9,7 +9,7 @@ from kvmesh.config import describe, load_config
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc.server import RpcServer, ServerOptions, run_service
 from kvmesh.services.engine import metrics
-from kvmesh.services.engine.build import build_async_engine, model_info, set_threads
+from kvmesh.services.engine.build import build_async_engine, model_info
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.servicer import EngineServicer
 from kvmesh.telemetry import setup_telemetry
@@ -20,7 +20,6 @@ SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 async def serve(cfg: EngineConfig) -> None:
     setup_telemetry("kvmesh-engine", otlp_endpoint=cfg.otlp_endpoint)
-    threads = set_threads(cfg.threads)
     engine = build_async_engine(cfg)
     engine.on_step = metrics.record_step
     servicer = EngineServicer(engine, model_info(engine.core, cfg))
@@ -31,7 +30,6 @@ async def serve(cfg: EngineConfig) -> None:
         lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s),
         [SERVICE],
         on_drain=lambda: engine.drain(cfg.grace_s))
-    log.info("torch threads: %d", threads)
     try:
         await run_service(server)
     finally:

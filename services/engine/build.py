@@ -51,6 +51,12 @@ def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoRe
         num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
 
 
-def build_async_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> AsyncEngine:
-    """Everything but the gRPC server."""
-    return AsyncEngine(build_core(cfg, loaded), max_waiting=cfg.max_waiting)
+def build_async_engine(cfg: EngineConfig) -> AsyncEngine:
+    """Everything but the gRPC server. The model is loaded on the engine's step-loop thread, which
+    sizes its own torch thread pool (see the threading NOTE in async_engine)."""
+    def build() -> EngineCore:
+        threads = set_threads(cfg.threads)
+        log.info("torch threads: %d", threads)
+        return build_core(cfg)
+
+    return AsyncEngine(build, max_waiting=cfg.max_waiting)

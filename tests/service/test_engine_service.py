@@ -38,7 +38,7 @@ class Harness:
 async def harness(bundled_model, request):
     overrides = getattr(request, "param", {})
     core = make_core(bundled_model, **overrides)
-    engine = AsyncEngine(core, max_waiting=overrides.get("max_waiting", 64))
+    engine = AsyncEngine(lambda: core, max_waiting=overrides.get("max_waiting", 64))
     servicer = EngineServicer(engine, model_info(core, EngineConfig()))
     server = RpcServer("engine", ServerOptions(host="127.0.0.1", port=0, grace_s=1.0),
                        lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s), [SERVICE])
