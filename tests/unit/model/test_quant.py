@@ -30,7 +30,7 @@ def test_quantized_forward_close_to_fp32(tiny_q, mode, bound):
     assert lm.weights == mode
     model = lm.model
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(linears) == 2 * 7  # q,k,v,o,gate,up,down per layer; lm_head and embedding untouched
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer; lm_head and embedding untouched
     assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.float32
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (3, 40))

@@ -10,6 +10,7 @@ import torch
 
 from kvmesh.model import gguf_loader
 from kvmesh.model.hf_loader import sha256_file
+from kvmesh.model.llama import fuse_projections
 from kvmesh.model.loader import bundled_gguf_path, load_model
 from kvmesh.model.perplexity import perplexity, reference_text
 from kvmesh.model.tokenizer import IncrementalDetokenizer
@@ -42,7 +43,7 @@ def test_config_and_weights_equal_transformers(real_model, hf_gguf_model):
     assert (c.bos_token_id, c.eos_token_ids) == (1, (2,)) and c.rms_norm_eps == pytest.approx(1e-5)
     assert real_model.weights_digest == sha256_file(bundled_gguf_path())
     ours = real_model.model.state_dict()
-    theirs = hf_gguf_model.state_dict()
+    theirs = fuse_projections(hf_gguf_model.state_dict(), c.num_layers)  # our q|k|v and gate|up layout
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
         assert torch.equal(ours[name], t), name
