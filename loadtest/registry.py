@@ -7,6 +7,7 @@ from typing import Callable
 BENCHES: dict[str, str] = {
     "engine": "kvmesh.loadtest.engine_bench",
     "quant": "kvmesh.loadtest.quant_bench",
+    "kvcache": "kvmesh.loadtest.kvcache_bench",
 }
 
 

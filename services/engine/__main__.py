@@ -34,6 +34,8 @@ async def serve(cfg: EngineConfig) -> None:
         await run_service(server)
     finally:
         engine.shutdown()
+        if engine.core.kv is not None:
+            await engine.core.kv.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,8 +58,11 @@ class AsyncEngine:
     # ---- asyncio side ------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str = "") -> AsyncIterator[RequestOutput]:
-        """Validates and queues a request, then yields its outputs until the final one."""
+                       request_id: str = "", cache_salt: bytes = b"") -> AsyncIterator[RequestOutput]:
+        """Validates and queues a request, then yields its outputs until the final one.
+
+        With a KV-cache service configured, the prompt's cached prefix is fetched first (while
+        the step loop keeps serving other requests); that never fails the request."""
         if self._draining:
             raise Unavailable("the engine is draining for shutdown; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
@@ -69,10 +72,19 @@ class AsyncEngine:
         if len(self._streams) >= self.max_waiting + self.core.sched_config.max_num_seqs:
             raise ResourceExhausted(
                 f"the engine queue is full ({len(self._streams)} requests); retry later")
+        arrival = time.monotonic()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
-        req = EngineRequest(request_id, list(prompt_token_ids), params, time.monotonic())
+        try:
+            plan = None
+            if self.core.kv is not None:
+                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        req = EngineRequest(request_id, list(prompt_token_ids), params, arrival,
+                            cache_salt=cache_salt, kv_plan=plan)
         self._post("add", req)
         finished = False
         try:

@@ -7,10 +7,13 @@ import os
 import torch
 
 from kvmesh.engine.v1 import engine_pb2
+from kvmesh.kv.codec import CodecSpec
+from kvmesh.kv.keys import KvLayout
 from kvmesh.model.loader import LoadedModel, load_model
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import EngineCore
+from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
 from kvmesh.services.engine.scheduler import SchedulerConfig
 
@@ -36,7 +39,22 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
         max_model_len=max_len, block_size=cfg.block_size, max_waiting=cfg.max_waiting)
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
-    return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching)
+    return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching,
+                      kv=build_kv_connector(cfg, loaded))
+
+
+def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | None:
+    """The KV-cache service link when `cfg.kvcache_address` is set."""
+    if not cfg.kvcache_address:
+        return None
+    c = loaded.config
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."))
+    spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual)
+    conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s),
+                       model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size)
+    log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,
+             cfg.kv_codec, "+zstd" if cfg.kv_zstd else "")
+    return conn
 
 
 def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoResponse:

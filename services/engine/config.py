@@ -30,6 +30,13 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(512, "Per-step token budget (decodes + prefill chunks).", min=16)
     max_waiting: int = setting(1024, "Queue cap; requests beyond it get RESOURCE_EXHAUSTED.", min=1)
     enable_prefix_caching: bool = setting(True, "Reuse full KV blocks of identical prompt prefixes inside the engine.")
+    kvcache_address: Optional[str] = setting(None, "host:port of the KV-cache service; unset = in-engine prefix cache only.")
+    kv_chunk_tokens: int = setting(256, "Tokens per KV chunk stored in the KV-cache service (a multiple of block_size).", min=16)
+    kv_codec: str = setting("int4", "Codec of exported chunks.", choices=("fp16", "bf16", "int8", "int4", "int2"))
+    kv_zstd: bool = setting(True, "zstd-compress exported chunks.")
+    kv_group_size: int = setting(128, "int4/int2: tokens per key group, channels per value group.", min=1, max=65535)
+    kv_residual: int = setting(0, "int8/int4/int2: last tokens of each chunk kept in fp16.", min=0)
+    kv_timeout_s: float = setting(5.0, "Deadline of each KV-cache call; a late answer means recompute.", min=0.01)
     grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
     otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
 
@@ -40,6 +47,9 @@ class EngineConfig:
                 "(KVMESH_ENGINE_DEVICE)")
         if self.weights == "bf16" and self.dtype != "bfloat16":
             raise ConfigError("--weights bf16 needs --dtype bfloat16 (KVMESH_ENGINE_DTYPE=bfloat16)")
+        if self.kv_chunk_tokens % self.block_size:
+            raise ConfigError(f"--kv-chunk-tokens ({self.kv_chunk_tokens}) must be a multiple of --block-size "
+                              f"({self.block_size}), e.g. {self.block_size * max(1, self.kv_chunk_tokens // self.block_size)}")
         if self.weights == "fp32" and self.dtype != "float32":
             raise ConfigError("--weights fp32 needs --dtype float32; use --weights auto to follow the dtype")
 

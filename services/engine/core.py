@@ -15,6 +15,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.model.loader import LoadedModel
 from kvmesh.model.tokenizer import IncrementalDetokenizer
 from kvmesh.services.engine.block_manager import BlockManager
+from kvmesh.services.engine.kv_connector import ExportJob, KvConnector, KvPlan
 from kvmesh.services.engine.runner import ModelRunner
 from kvmesh.services.engine.sampler import Sampler, make_generator
 from kvmesh.services.engine.sampling import SamplingParams
@@ -31,6 +32,10 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    cache_salt: bytes = b""
+    """Tenant salt of every KV namespace the request touches (engine prefix cache, KV service)."""
+    kv_plan: Optional[KvPlan] = None
+    """What the KV-cache service held for this prompt (fetched before queuing), if it is used."""
 
 
 @dataclass(frozen=True)
@@ -65,13 +70,14 @@ class _State:
     matcher: StopStringMatcher
     generator: Optional[torch.Generator]
     first_token_time: Optional[float] = None
+    kv_plan: Optional[KvPlan] = None  # set until the prompt's new chunks are exported
 
 
 class EngineCore:
     """Continuous batching over one model: add requests, call `step()` until none are left."""
 
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, sched_config: SchedulerConfig,
-                 *, enable_prefix_caching: bool = True) -> None:
+                 *, enable_prefix_caching: bool = True, kv: Optional[KvConnector] = None) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.runner = runner
@@ -87,6 +93,8 @@ class EngineCore:
         self.sched_config = sched_config
         self.sampler = Sampler()
         self.eos_token_ids = tuple(loaded.config.eos_token_ids)
+        self.kv = kv
+        """The KV-cache service link, or None (in-engine prefix cache only)."""
         self._states: dict[str, _State] = {}
 
     # ---- admission -------------------------------------------------------------------------
@@ -110,14 +118,19 @@ class EngineCore:
     def add_request(self, req: EngineRequest) -> None:
         """Queues a validated request (ResourceExhausted when the queue is full)."""
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
-                       params=req.params, arrival_time=req.arrival_time)
+                       params=req.params, arrival_time=req.arrival_time, cache_salt=req.cache_salt)
+        plan = req.kv_plan if self.kv is not None else None
+        if plan is not None and plan.kv is not None:
+            seq.external_kv, seq.external_tokens = plan.kv, plan.tokens
+            plan.kv = None  # the sequence holds it until import
         generator = make_generator(req.params)
         self.scheduler.add(seq)
         self._states[req.request_id] = _State(
             seq=seq,
             detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
             matcher=StopStringMatcher(req.params.stop),
-            generator=generator)
+            generator=generator,
+            kv_plan=plan if plan is not None and not all(plan.present) else None)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Stops a request and frees its blocks; returns its final output, or None if unknown."""
@@ -144,6 +157,8 @@ class EngineCore:
             return []
         result = self.runner.execute(out)
         self.scheduler.commit(out)
+        if self.kv is not None:
+            self._export_new_chunks(out)
         if not result.seqs:
             return []
         states = [self._states[s.request_id] for s in result.seqs]
@@ -158,6 +173,23 @@ class EngineCore:
                 state.first_token_time = now
             outputs.append(self._emit(state, token, sampled.logprobs[i]))
         return outputs
+
+    def _export_new_chunks(self, out) -> None:
+        """Hands the KV of a just-computed prompt's missing full chunks to the exporter (a copy:
+        the blocks may be freed or reused before the export thread gets to it)."""
+        chunk = self.kv.config.chunk_tokens
+        for item in out.scheduled:
+            state = self._states.get(item.seq.request_id)
+            if state is None or state.kv_plan is None:
+                continue
+            seq, plan = state.seq, state.kv_plan
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue  # prefill still running
+            state.kv_plan = None
+            first = plan.present.index(False)
+            start, end = first * chunk, len(plan.keys) * chunk
+            k, v = self.runner.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
+            self.kv.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end], k, v))
 
     def _emit(self, state: _State, token: int, logprob) -> RequestOutput:
         seq = state.seq

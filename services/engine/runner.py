@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
+from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block, read_kv, write_kv_range
 from kvmesh.model.loader import LoadedModel
 from kvmesh.services.engine.scheduler import SchedulerOutput
 from kvmesh.services.engine.sequence import Sequence
@@ -45,8 +45,18 @@ class ModelRunner:
             loaded.config, block_size, loaded.model_dtype)
 
     @torch.inference_mode()
+    def read_kv(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of seq's cached KV for positions [start, end): [layers, end-start, kv_heads, head_dim]."""
+        return read_kv(self.kv_caches, seq.block_table, start, end)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Computes every scheduled token; returns logits where a sequence needs its next token."""
+        """Writes imported KV, computes every scheduled token; returns logits where a sequence
+        needs its next token."""
+        for imp in out.imports:
+            k, v = imp.payload  # [layers, >= end, kv_heads, head_dim], positions from 0
+            write_kv_range(self.kv_caches, imp.seq.block_table, imp.start,
+                           k[:, imp.start:imp.end], v[:, imp.start:imp.end])
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

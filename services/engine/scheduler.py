@@ -57,6 +57,17 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
+class KvImport:
+    """Externally fetched KV the runner writes into `seq`'s blocks before the step's forward:
+    positions [start, end) of `seq.external_kv` (positions below `start` were prefix-cache hits)."""
+
+    seq: Sequence
+    payload: object
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What the model runner computes this step."""
 
@@ -65,6 +76,8 @@ class SchedulerOutput:
     preempted: list[Sequence]
     """Sequences that lost their KV blocks this step; they are waiting to be recomputed."""
     num_batched_tokens: int
+    imports: list[KvImport] = field(default_factory=list)
+    """KV from the KV-cache service to write before computing (counts as computed, not budget)."""
 
     @property
     def is_empty(self) -> bool:
@@ -78,7 +91,9 @@ class SchedulerOutput:
 #   1. every running decode (exactly one token left to compute) gets its token;
 #   2. running sequences with a partial prefill get their next chunk, oldest first;
 #   3. waiting sequences are admitted first-come-first-served: prefix-cache hits count as
-#      computed, the rest is computed in chunks of whatever budget is left. Admission is strict
+#      computed, so does KV fetched from the KV-cache service beyond them (imported: copied
+#      into the new blocks before the forward, no budget), the rest is computed in chunks of
+#      whatever budget is left. Admission is strict
 #      FCFS (a head that does not fit blocks the queue) and is skipped in a step that preempted.
 # A long prompt therefore never delays decodes: it only uses the budget they leave.
 #
@@ -160,6 +175,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        imports: list[KvImport] = []
 
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -180,13 +196,17 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             computed_blocks, num_hit = self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_tokens - num_hit, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+            num_import = max(0, seq.external_tokens - num_hit) if seq.external_kv is not None else 0
+            num_new = min(seq.num_tokens - num_hit - num_import, budget)
+            if not self.block_manager.allocate_slots(seq, num_import + num_new, computed_blocks):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_hit
-            seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)
+            if num_import:
+                imports.append(KvImport(seq, seq.external_kv, num_hit, num_hit + num_import))
+            seq.external_kv = None  # imported now, or fully covered by the prefix cache
+            seq.num_computed_tokens = num_hit + num_import
+            seq.num_cached_tokens = min(num_hit + num_import, seq.num_prompt_tokens)
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
@@ -195,6 +215,7 @@ class Scheduler:
             scheduled=scheduled,
             preempted=preempted,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            imports=imports,
         )
 
     def commit(self, output: SchedulerOutput) -> None:

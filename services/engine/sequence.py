@@ -60,6 +60,12 @@ class Sequence:
     finish_reason: str | None = None
     cache_salt: bytes = b""
     """Extra prefix-cache namespace (tenant salt): sequences only share KV with equal salts."""
+    external_kv: object | None = None
+    """Prompt KV fetched from the KV-cache service (opaque here; the runner writes it), covering
+    positions 0..external_tokens-1. Dropped once imported, or if preemption makes it moot."""
+    external_tokens: int = 0
+    """Tokens `external_kv` covers: whole blocks, always fewer than the prompt (the last prompt
+    token is computed to produce logits)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -73,7 +73,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             _reject_unknown_fields(request.token_ids, "token_ids")
             ids = list(request.token_ids.ids)
         params = sampling_from_proto(request.sampling)
-        async for out in self.engine.generate(ids, params, request.request_id):
+        salt = request.cache_salt.encode()
+        async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt):
             yield self._to_proto(out, tokenizer)
 
     def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:

@@ -214,3 +214,35 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scale)
         out[p.start:p.start + p.q_len] = o[0].transpose(0, 1)
     return out
+
+
+def _token_slots(block_table: list[int], start: int, end: int, block_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """[end-start] long: flat cache slots of token positions start..end-1 of one sequence."""
+    pos = torch.arange(start, end)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return (table[pos // block_size] * block_size + pos % block_size).to(device)
+
+
+def read_kv(kv_caches: KVCache, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of one sequence's keys and values for positions start..end-1, all layers:
+    k, v: [layers, end-start, kv_heads, head_dim] (keys as cached: rotated to their positions)."""
+    k0 = kv_caches[0][0]
+    _, bs, kvh, hd = k0.shape
+    slots = _token_slots(block_table, start, end, bs, k0.device)
+    k = torch.stack([kc.view(-1, kvh, hd).index_select(0, slots) for kc, _ in kv_caches])
+    v = torch.stack([vc.view(-1, kvh, hd).index_select(0, slots) for _, vc in kv_caches])
+    return k, v
+
+
+def write_kv_range(kv_caches: KVCache, block_table: list[int], start: int,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+    """Stores k, v ([layers, n, kv_heads, head_dim]) as one sequence's positions start..start+n-1."""
+    k0 = kv_caches[0][0]
+    _, bs, kvh, hd = k0.shape
+    if k.shape != v.shape or k.shape[0] != len(kv_caches) or tuple(k.shape[2:]) != (kvh, hd):
+        raise ValueError(f"KV of shape {tuple(k.shape)} does not fit caches of {len(kv_caches)} layers x "
+                         f"[.., {kvh}, {hd}]")
+    slots = _token_slots(block_table, start, start + k.shape[1], bs, k0.device)
+    for layer, (kc, vc) in enumerate(kv_caches):
+        write_kv(k[layer].to(kc.device), v[layer].to(vc.device), kc, vc, slots)

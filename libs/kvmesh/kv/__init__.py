@@ -1,0 +1,8 @@
+"""KV chunks: their keys, the self-describing chunk blob codec and its KIVI quantizers.
+
+Public API (what the KV service and the engine use):
+    CODECS, CodecSpec, ChunkMeta, BlobHeader, encode, decode, read_header,
+    CorruptBlob, NamespaceMismatch                      -- kvmesh.kv.codec
+    chunk keys and namespaces                           -- kvmesh.kv.keys
+    quantize, dequantize, delta, undelta, pack, unpack  -- kvmesh.kv.kivi (tensor ops only)
+"""

@@ -1,0 +1,262 @@
+"""The engine's link to the KV-cache service: fetch a prompt's cached prefix, export new chunks.
+
+NOTE (where the work happens, and why nothing here can fail a request).
+  * Fetch runs on the asyncio side when a request arrives, before it is queued: Lookup the
+    prompt's chained chunk keys, Get the leading present ones, decode them on the `kv-codec`
+    thread. The step loop keeps computing other requests meanwhile, so the fetch overlaps with
+    work. The fetched KV rides on the request; the scheduler imports it into paged blocks at
+    admission (see scheduler.KvImport).
+  * Export: once a prompt is fully computed the step loop copies the KV of its new full chunks
+    out of the paged cache (one index_select per layer) and hands them to the `kv-export`
+    thread, which encodes and Puts them. The step loop never waits on it; a full export queue
+    drops the job (counted).
+  * Every failure -- service down, slow (deadline), a blob that fails its checksum, a blob of
+    another namespace or shape, token ids that differ -- ends the fetch at that chunk: the
+    request computes the rest itself. A bad blob is also deleted from the service.
+  * Codec work (quantize, zstd, dequantize) runs on threads that set torch to one thread: a
+    second multi-threaded OpenMP team in the process would throttle the step loop's (see the
+    threading NOTE in async_engine).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kvmesh.kv import codec
+from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
+from kvmesh.kvcache.v1 import kvcache_pb2 as pb
+from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PART_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class KvConnectorConfig:
+    """How an engine uses the KV-cache service."""
+
+    address: str
+    chunk_tokens: int = 256
+    codec: codec.CodecSpec = field(default_factory=codec.CodecSpec)
+    timeout_s: float = 5.0
+    max_export_queue: int = 64
+
+
+@dataclass
+class KvPlan:
+    """What the KV service had for one prompt, attached to the request at admission."""
+
+    namespace: bytes
+    keys: list[bytes]  # chained keys of the prompt's full chunks
+    present: list[bool]  # per key, stored when looked up (no need to export it again)
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None  # fetched [layers, tokens, kvh, hd]
+    tokens: int = 0  # tokens `kv` covers (whole chunks)
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """New full chunks of one prompt to store: k, v [layers, n*chunk, kvh, hd] from position start."""
+
+    namespace: bytes
+    keys: list[bytes]
+    token_ids: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    fetched_chunks: int = 0
+    fetch_failures: int = 0
+    bad_blobs: int = 0
+    exported_chunks: int = 0
+    export_failures: int = 0
+    export_dropped: int = 0
+
+
+def _single_thread_torch() -> None:
+    torch.set_num_threads(1)
+
+
+def _checksum(blob: bytes) -> bytes:
+    return hashlib.blake2b(blob, digest_size=16).digest()
+
+
+class KvConnector:
+    """Client side of kvmesh.kvcache.v1 for one engine (one model identity and KV layout)."""
+
+    def __init__(self, config: KvConnectorConfig, *, model_identity: str, layout: KvLayout,
+                 dtype: torch.dtype, block_size: int) -> None:
+        if config.chunk_tokens % block_size:
+            raise ValueError(f"kv chunk_tokens ({config.chunk_tokens}) must be a multiple of the block "
+                             f"size ({block_size})")
+        self.config = config
+        self.model_identity = model_identity
+        self.layout = layout
+        self.dtype = dtype
+        self.stats = ConnectorStats()
+        self._codec_pool = ThreadPoolExecutor(1, "kv-codec", initializer=_single_thread_torch)
+        self._aio_channel: grpc.aio.Channel | None = None
+        self._exports: queue.Queue[ExportJob | None] = queue.Queue(config.max_export_queue)
+        self._export_thread = threading.Thread(target=self._export_loop, name="kv-export", daemon=True)
+        self._export_thread.start()
+
+    def namespace(self, salt: bytes) -> bytes:
+        return make_namespace(self.model_identity, self.layout, salt.decode("utf-8", "replace"))
+
+    def _stub(self) -> kvcache_pb2_grpc.KvcacheServiceStub:
+        if self._aio_channel is None:  # created lazily on the serving event loop
+            self._aio_channel = grpc.aio.insecure_channel(self.config.address)
+        return kvcache_pb2_grpc.KvcacheServiceStub(self._aio_channel)
+
+    # ---- fetch (asyncio side) ------------------------------------------------------------------
+
+    async def prepare(self, prompt: list[int], salt: bytes) -> KvPlan | None:
+        """Looks up and fetches the prompt's cached prefix; None when it has no full chunk."""
+        chunk = self.config.chunk_tokens
+        if len(prompt) < chunk:
+            return None
+        ns = self.namespace(salt)
+        keys = prefix_keys(prompt, chunk, ns)
+        plan = KvPlan(ns, keys, [False] * len(keys))
+        stub = self._stub()
+        try:
+            self.stats.lookups += 1
+            found = await stub.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk),
+                                      timeout=self.config.timeout_s)
+            plan.present = [t != pb.TIER_NONE for t in found.tiers]
+            # Import whole chunks, leaving at least the last prompt token to compute for logits.
+            n = min(found.prefix_chunks, (len(prompt) - 1) // chunk)
+            if n:
+                await self._fetch(stub, plan, prompt, n)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            self.stats.fetch_failures += 1
+            log.warning("KV service unavailable for fetch (%s); computing the prompt", _describe(err))
+        return plan
+
+    async def _fetch(self, stub, plan: KvPlan, prompt: list[int], n: int) -> None:
+        chunk = self.config.chunk_tokens
+        blobs: list[bytes] = []
+        parts: list[bytes] = []
+        header = None
+        call = stub.Get(pb.GetRequest(keys=plan.keys[:n]), timeout=self.config.timeout_s)
+        got = 0
+        async for msg in call:
+            if msg.HasField("header"):
+                if not msg.header.found:
+                    break  # evicted since Lookup: import what came before it
+                header, parts, got = msg.header, [], 0
+                continue
+            parts.append(msg.data)
+            got += len(msg.data)
+            if header is not None and got >= header.total_bytes:
+                blob = b"".join(parts)
+                if len(blob) != header.total_bytes or _checksum(blob) != header.checksum:
+                    break  # damaged in transit: import what came before it
+                blobs.append(blob)
+                header = None
+        call.cancel()  # no-op when the stream ended
+        loop = asyncio.get_running_loop()
+        tokens = [prompt[i * chunk:(i + 1) * chunk] for i in range(len(blobs))]
+        ks, vs, bad = await loop.run_in_executor(self._codec_pool, self._decode_all, blobs, tokens, plan.namespace)
+        if bad is not None:
+            self.stats.bad_blobs += 1
+            plan.present[bad] = False
+            try:
+                await stub.Delete(pb.DeleteRequest(keys=[plan.keys[bad]]), timeout=self.config.timeout_s)
+            except grpc.RpcError:
+                pass
+        if ks:
+            plan.kv = (torch.cat(ks, dim=1), torch.cat(vs, dim=1))
+            plan.tokens = len(ks) * chunk
+            self.stats.fetched_chunks += len(ks)
+
+    def _decode_all(self, blobs: list[bytes], tokens: list[list[int]], namespace: bytes):
+        """Decodes blobs in order until the first bad one: (ks, vs, index of the bad one or None)."""
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        ks, vs = [], []
+        for i, (blob, ids) in enumerate(zip(blobs, tokens)):
+            try:
+                k, v, header = codec.decode(blob, namespace=namespace, dtype=self.dtype,
+                                            expect_shape=(L, len(ids), H, D))
+            except (codec.CorruptBlob, codec.NamespaceMismatch) as err:
+                log.warning("KV blob %d rejected (%s); computing from there", i, err)
+                return ks, vs, i
+            if list(header.token_ids) != ids:  # a key collision or a bad writer: never use it
+                log.warning("KV blob %d holds other token ids than its key claims; computing from there", i)
+                return ks, vs, i
+            ks.append(k)
+            vs.append(v)
+        return ks, vs, None
+
+    # ---- export (step loop -> export thread) ---------------------------------------------------
+
+    def submit_export(self, job: ExportJob) -> None:
+        """Queues chunks for storing; never blocks (drops the job when the queue is full)."""
+        try:
+            self._exports.put_nowait(job)
+        except queue.Full:
+            self.stats.export_dropped += len(job.keys)
+
+    def _export_loop(self) -> None:
+        torch.set_num_threads(1)
+        channel = grpc.insecure_channel(self.config.address)
+        stub = kvcache_pb2_grpc.KvcacheServiceStub(channel)
+        chunk = self.config.chunk_tokens
+        while (job := self._exports.get()) is not None:
+            for i, key in enumerate(job.keys):
+                sl = slice(i * chunk, (i + 1) * chunk)
+                try:
+                    blob = codec.encode(job.k[:, sl], job.v[:, sl],
+                                        codec.ChunkMeta(job.namespace, tuple(job.token_ids[sl])),
+                                        self.config.codec)
+                    stub.Put(_put_messages(key, blob), timeout=self.config.timeout_s)
+                    self.stats.exported_chunks += 1
+                except grpc.RpcError as err:
+                    self.stats.export_failures += len(job.keys) - i
+                    log.warning("KV export failed (%s); dropping %d chunks", _describe(err), len(job.keys) - i)
+                    break
+            self._exports.task_done()
+        channel.close()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Waits until every queued export has been attempted (tests, benchmarks)."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self._exports.join()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        return done.wait(timeout_s)
+
+    async def close(self) -> None:
+        """Finishes queued exports, then closes channels and threads."""
+        self._exports.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._export_thread.join, 30)
+        self._codec_pool.shutdown(wait=False)
+        if self._aio_channel is not None:
+            await self._aio_channel.close()
+
+
+def _put_messages(key: bytes, blob: bytes):
+    yield pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob), checksum=_checksum(blob)))
+    view = memoryview(blob)
+    for start in range(0, len(blob), PART_BYTES):
+        yield pb.PutRequest(data=bytes(view[start:start + PART_BYTES]))
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+        return f"{err.code().name}: {err.details()}"
+    return type(err).__name__

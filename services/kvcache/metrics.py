@@ -1,0 +1,10 @@
+"""KV-cache service Prometheus metrics. Names mirror LMCache's (lookups, hit tokens, bytes read and
+written); per-tier entries/bytes/evictions come from the store's stats at scrape time."""
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+LOOKUPS = Counter("kvmesh_kvcache_lookup_requests", "Lookup calls.")
+LOOKUP_HIT_CHUNKS = Counter("kvmesh_kvcache_lookup_hit_chunks", "Leading chunks found by Lookup calls.")
+BYTES_READ = Counter("kvmesh_kvcache_read_bytes", "Blob bytes served by Get.")
+BYTES_WRITTEN = Counter("kvmesh_kvcache_written_bytes", "Blob bytes stored by Put.")

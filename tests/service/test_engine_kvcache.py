@@ -1,0 +1,144 @@
+"""Engine + KV-cache service on the real model: prefix KV leaves one engine and comes back to a
+fresh one; every fault of the KV service degrades to recompute."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from engine_utils import greedy
+from kvmesh.kv import codec
+from kvmesh.kvcache.v1 import kvcache_pb2 as pb
+from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+from kvmesh.launcher import free_port
+from kvmesh.model.perplexity import reference_text
+from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.services.engine.async_engine import AsyncEngine
+from kvmesh.services.engine.build import build_core
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.kvcache.build import build_store
+from kvmesh.services.kvcache.config import KvcacheConfig
+from kvmesh.services.kvcache.servicer import KvcacheServicer
+
+pytestmark = pytest.mark.slow
+SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
+CHUNK = 32
+
+
+@pytest.fixture
+async def kv_address(tmp_path):
+    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", disk_map_bytes=256 << 20, max_entry_bytes=32 << 20)
+    servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
+    server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
+                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s), [SERVICE])
+    port = await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.drain(0.5)
+        servicer.close()
+
+
+def engine(loaded, address: str, **overrides) -> AsyncEngine:
+    """A fresh engine (empty paged cache and prefix cache) linked to the KV service at `address`."""
+    settings = dict(num_blocks=256, block_size=16, max_num_batched_tokens=64, kvcache_address=address,
+                    kv_chunk_tokens=CHUNK, kv_timeout_s=5.0)
+    cfg = EngineConfig(**{**settings, **overrides})
+    core = build_core(cfg, loaded)
+    return AsyncEngine(lambda: core, max_waiting=8)
+
+
+async def run(eng: AsyncEngine, prompt: list[int], max_tokens: int = 8, salt: bytes = b""):
+    tokens, final = [], None
+    async for out in eng.generate(prompt, greedy(max_tokens, ignore_eos=True), cache_salt=salt):
+        tokens += out.token_ids
+        if out.finished:
+            final = out
+    return tokens, final
+
+
+@pytest.fixture(scope="module")
+def prompt(bundled_model) -> list[int]:
+    return bundled_model.tokenizer.encode(reference_text())[:100]  # 3 full chunks + 4 tokens
+
+
+async def close(eng: AsyncEngine) -> None:
+    eng.shutdown()
+    await eng.core.kv.close()
+
+
+@pytest.mark.parametrize("codec_name", ["fp16", "int8"])
+async def test_prefix_kv_comes_back_to_a_fresh_engine(bundled_model, kv_address, prompt, codec_name):
+    first = engine(bundled_model, kv_address, kv_codec=codec_name)
+    cold_tokens, cold = await run(first, prompt)
+    assert cold.usage.cached_prompt_tokens == 0
+    assert first.core.kv.flush()
+    assert first.core.kv.stats.exported_chunks == 3
+    await close(first)
+
+    second = engine(bundled_model, kv_address, kv_codec=codec_name)  # nothing cached locally
+    warm_tokens, warm = await run(second, prompt)
+    assert warm.usage.cached_prompt_tokens == 3 * CHUNK
+    assert second.core.kv.stats.fetched_chunks == 3
+    assert warm_tokens == cold_tokens  # lossy codecs, but these 8 greedy tokens do not move
+    assert second.core.kv.flush() and second.core.kv.stats.exported_chunks == 0  # all present already
+    await close(second)
+
+
+async def test_other_salt_never_reuses(bundled_model, kv_address, prompt):
+    first = engine(bundled_model, kv_address)
+    await run(first, prompt, salt=b"tenant-a")
+    assert first.core.kv.flush()
+    await close(first)
+    second = engine(bundled_model, kv_address)
+    _, final = await run(second, prompt, salt=b"tenant-b")
+    assert final.usage.cached_prompt_tokens == 0 and second.core.kv.stats.fetched_chunks == 0
+    await close(second)
+
+
+async def test_kv_service_down_means_recompute(bundled_model, prompt):
+    eng = engine(bundled_model, f"127.0.0.1:{free_port()}", kv_timeout_s=1.0)  # nothing listens there
+    baseline = engine(bundled_model, f"127.0.0.1:{free_port()}", kv_timeout_s=1.0)
+    tokens, final = await run(eng, prompt)
+    assert final.finish_reason == "length" and final.usage.cached_prompt_tokens == 0
+    assert eng.core.kv.stats.fetch_failures == 1
+    assert eng.core.kv.flush() and eng.core.kv.stats.export_failures == 3
+    await close(eng)
+    assert tokens == (await run(baseline, prompt))[0]
+    await close(baseline)
+
+
+async def test_bad_blob_is_a_miss_and_is_deleted(bundled_model, kv_address, prompt):
+    first = engine(bundled_model, kv_address, kv_codec="fp16")  # fp16: outputs comparable token for token
+    cold_tokens, _ = await run(first, prompt)
+    assert first.core.kv.flush()
+    plan = await first.core.kv.prepare(prompt, b"")
+    await close(first)
+    # Overwrite chunk 1 with an intact blob that claims other tokens (a bad writer / collision).
+    k, v, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=plan.namespace)
+    forged = codec.encode(k, v, codec.ChunkMeta(plan.namespace, tuple(t + 1 for t in header.token_ids)),
+                          codec.CodecSpec("fp16", zstd=False))
+    await put(kv_address, plan.keys[1], forged)
+
+    second = engine(bundled_model, kv_address, kv_codec="fp16")
+    tokens, final = await run(second, prompt)
+    assert final.usage.cached_prompt_tokens == CHUNK  # chunk 0 only: the rest is recomputed
+    assert second.core.kv.stats.bad_blobs == 1 and tokens == cold_tokens
+    # The forged entry is gone: the second engine recomputed chunks 1-2 and stored them correctly.
+    assert second.core.kv.flush() and second.core.kv.stats.exported_chunks == 2
+    _, _, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=plan.namespace)
+    assert header.token_ids == tuple(prompt[CHUNK:2 * CHUNK])
+    await close(second)
+
+
+async def fetch(address: str, key: bytes) -> bytes:
+    async with grpc.aio.insecure_channel(address) as ch:
+        parts = [m.data async for m in kvcache_pb2_grpc.KvcacheServiceStub(ch).Get(pb.GetRequest(keys=[key]), timeout=5)
+                 if not m.HasField("header")]
+    return b"".join(parts)
+
+
+async def put(address: str, key: bytes, blob: bytes) -> None:
+    from kvmesh.services.engine.kv_connector import _put_messages
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        await kvcache_pb2_grpc.KvcacheServiceStub(ch).Put(_put_messages(key, blob), timeout=5)

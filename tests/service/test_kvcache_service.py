@@ -1,0 +1,143 @@
+"""The KV-cache service's gRPC API against a real server on port 0 (memory + LMDB tiers)."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kvmesh.kv import codec
+from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
+from kvmesh.kvcache.v1 import kvcache_pb2 as pb
+from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.services.kvcache.build import build_store
+from kvmesh.services.kvcache.config import KvcacheConfig
+from kvmesh.services.kvcache.servicer import KvcacheServicer, blob_checksum
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
+NS = make_namespace("test-model", KvLayout(2, 2, 8, "float32"))
+MiB = 1 << 20
+
+
+def make_blob(tokens: list[int], seed: int = 0, spec: codec.CodecSpec = codec.CodecSpec("fp16", zstd=False)) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, len(tokens), 2, 8, generator=g)
+    v = torch.randn(2, len(tokens), 2, 8, generator=g)
+    return codec.encode(k, v, codec.ChunkMeta(NS, tuple(tokens)), spec)
+
+
+def put_stream(key: bytes, blob: bytes, part: int = 4096, **header):
+    yield pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob), checksum=blob_checksum(blob), **header))
+    for i in range(0, len(blob), part):
+        yield pb.PutRequest(data=blob[i:i + part])
+
+
+@pytest.fixture
+async def kv(tmp_path):
+    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", memory_bytes=4 * MiB, disk_map_bytes=64 * MiB,
+                        max_entry_bytes=2 * MiB)
+    servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
+    server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
+                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s), [SERVICE])
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield kvcache_pb2_grpc.KvcacheServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.drain(0.5)
+        servicer.close()
+
+
+async def get_all(stub, keys: list[bytes]) -> dict[bytes, tuple[bytes | None, int]]:
+    out, key, parts = {}, None, []
+    async for msg in stub.Get(pb.GetRequest(keys=keys), timeout=10):
+        if msg.HasField("header"):
+            if key is not None:
+                out[key] = (b"".join(parts), tier)
+            key, parts, tier = msg.header.key, [], msg.header.tier
+            if not msg.header.found:
+                out[key], key = (None, tier), None
+        else:
+            parts.append(msg.data)
+    if key is not None:
+        out[key] = (b"".join(parts), tier)
+    return out
+
+
+async def test_put_get_lookup_roundtrip_across_parts(kv):
+    tokens = list(range(64))
+    keys = prefix_keys(tokens, 16, NS)  # 4 chained chunk keys
+    blobs = [make_blob(tokens[i * 16:(i + 1) * 16], seed=i) for i in range(4)]
+    for key, blob in zip(keys[:2], blobs[:2]):  # store the first two chunks only
+        resp = await kv.Put(put_stream(key, blob, part=1000), timeout=10)
+        assert resp.stored_bytes == len(blob)
+    found = await kv.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=16), timeout=10)
+    assert list(found.tiers) == [pb.TIER_MEMORY, pb.TIER_MEMORY, pb.TIER_NONE, pb.TIER_NONE]
+    assert (found.prefix_chunks, found.prefix_tokens) == (2, 32)
+    got = await get_all(kv, [keys[1], keys[3], keys[0]])
+    assert got[keys[1]] == (blobs[1], pb.TIER_MEMORY) and got[keys[0]] == (blobs[0], pb.TIER_MEMORY)
+    assert got[keys[3]] == (None, pb.TIER_NONE)
+    k, v, header = codec.decode(got[keys[0]][0], namespace=NS)
+    assert header.token_ids == tuple(tokens[:16])
+
+
+async def test_large_blob_streams_in_parts_and_is_byte_identical(kv):
+    tokens = list(range(1024))
+    blob = make_blob(tokens)  # ~130 KB; sent in 7 KB parts, served back in 1 MiB parts
+    key = prefix_keys(tokens, 1024, NS)[0]
+    await kv.Put(put_stream(key, blob, part=7000), timeout=10)
+    assert (await get_all(kv, [key]))[key][0] == blob
+
+
+@pytest.mark.parametrize("mutate, code, fragment", [
+    (lambda key, blob: put_stream(key, blob[:-1] + bytes([blob[-1] ^ 1])), grpc.StatusCode.INVALID_ARGUMENT, "checksum"),
+    (lambda key, blob: [pb.PutRequest(data=blob)], grpc.StatusCode.INVALID_ARGUMENT, "header"),
+    (lambda key, blob: put_stream(key[:5], blob), grpc.StatusCode.INVALID_ARGUMENT, "32 bytes"),
+    (lambda key, blob: iter([pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob) + 10,
+                                                                checksum=blob_checksum(blob))),
+                             pb.PutRequest(data=blob)]), grpc.StatusCode.INVALID_ARGUMENT, "received"),
+    (lambda key, blob: put_stream(key, b"not a kv blob at all"), grpc.StatusCode.INVALID_ARGUMENT, "not a valid"),
+    (lambda key, blob: put_stream(key, blob, ttl_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttl_s"),
+])
+async def test_bad_puts_are_rejected_and_store_nothing(kv, mutate, code, fragment):
+    tokens = list(range(16))
+    key, blob = prefix_keys(tokens, 16, NS)[0], make_blob(tokens)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.Put(mutate(key, blob), timeout=10)
+    assert err.value.code() == code and fragment in err.value.details()
+    found = await kv.Lookup(pb.LookupRequest(keys=[key]), timeout=10)
+    assert list(found.tiers) == [pb.TIER_NONE]
+
+
+async def test_oversized_put_is_resource_exhausted(kv):
+    tokens = list(range(16))
+    key = prefix_keys(tokens, 16, NS)[0]
+    header = pb.PutHeader(key=key, total_bytes=3 * MiB, checksum=b"x" * 16)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.Put(iter([pb.PutRequest(header=header)]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max entry size" in err.value.details()
+
+
+async def test_delete_pin_ttl_and_stats(kv):
+    tokens = list(range(48))
+    keys = prefix_keys(tokens, 16, NS)
+    blobs = [make_blob(tokens[i * 16:(i + 1) * 16], seed=i) for i in range(3)]
+    for key, blob in zip(keys, blobs):
+        await kv.Put(put_stream(key, blob), timeout=10)
+    stats = await kv.Stats(pb.StatsRequest(), timeout=10)
+    assert [t.tier for t in stats.tiers] == [pb.TIER_MEMORY, pb.TIER_DISK]
+    assert [t.entries for t in stats.tiers] == [3, 3]
+    assert stats.tiers[0].bytes == sum(map(len, blobs))
+    assert (await kv.Pin(pb.PinRequest(keys=keys[:2], pinned=True), timeout=10)).updated == 2
+    assert (await kv.SetTtl(pb.SetTtlRequest(keys=[keys[2]], ttl_s=60.0), timeout=10)).updated == 1
+    assert (await kv.Delete(pb.DeleteRequest(keys=[keys[1], b"\0" * 32]), timeout=10)).deleted == 1
+    found = await kv.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=16), timeout=10)
+    assert found.prefix_chunks == 1 and found.tiers[1] == pb.TIER_NONE
+    await get_all(kv, [keys[0], keys[1]])
+    stats = await kv.Stats(pb.StatsRequest(), timeout=10)
+    assert [t.entries for t in stats.tiers] == [2, 2]
+    assert (stats.tiers[0].hits, stats.tiers[0].misses) == (1, 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.SetTtl(pb.SetTtlRequest(keys=[keys[0]], ttl_s=0.0), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
