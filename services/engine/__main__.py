@@ -5,6 +5,7 @@ import asyncio
 import logging
 import sys
 
+from kvmesh.allocator import keep_freed_memory
 from kvmesh.config import describe, load_config
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc.server import RpcServer, ServerOptions, run_service
@@ -21,6 +22,8 @@ SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 async def serve(cfg: EngineConfig) -> None:
     setup_telemetry("kvmesh-engine", otlp_endpoint=cfg.otlp_endpoint)
     engine = build_async_engine(cfg)
+    if engine.core.kv is not None:
+        await engine.core.kv.warm_up()
     engine.on_step = metrics.record_step
     servicer = EngineServicer(engine, model_info(engine.core, cfg))
     server = RpcServer(
@@ -42,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(EngineConfig, "engine", argv)
     log.info("config: %s", describe(cfg))
+    keep_freed_memory()
     asyncio.run(serve(cfg))
 
 

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 log = logging.getLogger(__name__)
 
 PART_BYTES = 1 << 20
+EXPORT_TIMEOUT_S = 60.0
+"""Deadline of one export Put: exports are off the request path, so they may wait out a busy service."""
 
 
 @dataclass(frozen=True)
@@ -104,12 +107,33 @@ class KvConnector:
         self.model_identity = model_identity
         self.layout = layout
         self.dtype = dtype
+        self.block_size = block_size
         self.stats = ConnectorStats()
-        self._codec_pool = ThreadPoolExecutor(1, "kv-codec", initializer=_single_thread_torch)
+        # Two single-threaded decoders: a fetch decodes two chunks at a time (a prompt's TTFT
+        # waits on it), each without an OpenMP team of its own.
+        self._codec_pool = ThreadPoolExecutor(2, "kv-codec", initializer=_single_thread_torch)
         self._aio_channel: grpc.aio.Channel | None = None
         self._exports: queue.Queue[ExportJob | None] = queue.Queue(config.max_export_queue)
         self._export_thread = threading.Thread(target=self._export_loop, name="kv-export", daemon=True)
         self._export_thread.start()
+
+    async def warm_up(self) -> bool:
+        """Connects to the service and runs the codec once on each decoder thread, so the first
+        fetch pays no set-up. Returns whether the service answered (it may come up later)."""
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        k = torch.zeros(L, self.config.chunk_tokens, H, D)
+        ns = self.namespace(b"warm-up")
+        blob = codec.encode(k, k, codec.ChunkMeta(ns, (0,) * self.config.chunk_tokens), self.config.codec)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*[loop.run_in_executor(self._codec_pool, lambda: codec.decode(blob, namespace=ns))
+                               for _ in range(2)])
+        try:
+            await self._stub().Stats(pb.StatsRequest(), timeout=self.config.timeout_s)
+            return True
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            log.warning("KV-cache service %s not answering yet (%s); requests recompute until it does",
+                        self.config.address, _describe(err))
+            return False
 
     def namespace(self, salt: bytes) -> bytes:
         return make_namespace(self.model_identity, self.layout, salt.decode("utf-8", "replace"))
@@ -130,27 +154,35 @@ class KvConnector:
         keys = prefix_keys(prompt, chunk, ns)
         plan = KvPlan(ns, keys, [False] * len(keys))
         stub = self._stub()
+        t0 = time.perf_counter()
         try:
             self.stats.lookups += 1
             found = await stub.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk),
                                       timeout=self.config.timeout_s)
             plan.present = [t != pb.TIER_NONE for t in found.tiers]
-            # Import whole chunks, leaving at least the last prompt token to compute for logits.
-            n = min(found.prefix_chunks, (len(prompt) - 1) // chunk)
-            if n:
-                await self._fetch(stub, plan, prompt, n)
+            if found.prefix_chunks:
+                await self._fetch(stub, plan, prompt, found.prefix_chunks)
+                # Whole blocks only, and never the last prompt token: it is computed for logits.
+                plan.tokens = min(plan.tokens, (len(prompt) - 1) // self.block_size * self.block_size)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             self.stats.fetch_failures += 1
             log.warning("KV service unavailable for fetch (%s); computing the prompt", _describe(err))
+        if plan.tokens:
+            log.info("KV prefix of %d tokens fetched in %.0f ms", plan.tokens, 1e3 * (time.perf_counter() - t0))
         return plan
 
     async def _fetch(self, stub, plan: KvPlan, prompt: list[int], n: int) -> None:
-        chunk = self.config.chunk_tokens
-        blobs: list[bytes] = []
+        """Streams the first `n` chunks and decodes each on the codec thread as soon as it has
+        arrived (decode overlaps the transfer), straight into one destination tensor."""
+        chunk, layout = self.config.chunk_tokens, self.layout
+        shape = (layout.num_layers, n * chunk, layout.num_kv_heads, layout.head_dim)
+        dest = (torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
+        loop = asyncio.get_running_loop()
+        decodes: list[asyncio.Future] = []
         parts: list[bytes] = []
         header = None
-        call = stub.Get(pb.GetRequest(keys=plan.keys[:n]), timeout=self.config.timeout_s)
         got = 0
+        call = stub.Get(pb.GetRequest(keys=plan.keys[:n]), timeout=self.config.timeout_s)
         async for msg in call:
             if msg.HasField("header"):
                 if not msg.header.found:
@@ -163,41 +195,44 @@ class KvConnector:
                 blob = b"".join(parts)
                 if len(blob) != header.total_bytes or _checksum(blob) != header.checksum:
                     break  # damaged in transit: import what came before it
-                blobs.append(blob)
+                i = len(decodes)
+                decodes.append(loop.run_in_executor(
+                    self._codec_pool, self._decode_into, blob, prompt[i * chunk:(i + 1) * chunk],
+                    plan.namespace, dest, i * chunk))
                 header = None
         call.cancel()  # no-op when the stream ended
-        loop = asyncio.get_running_loop()
-        tokens = [prompt[i * chunk:(i + 1) * chunk] for i in range(len(blobs))]
-        ks, vs, bad = await loop.run_in_executor(self._codec_pool, self._decode_all, blobs, tokens, plan.namespace)
-        if bad is not None:
+        ok = 0
+        for i, fut in enumerate(decodes):  # in order: the prefix ends at the first bad chunk
+            if await fut and ok == i:
+                ok += 1
+        if ok < len(decodes):
             self.stats.bad_blobs += 1
-            plan.present[bad] = False
+            plan.present[ok] = False
             try:
-                await stub.Delete(pb.DeleteRequest(keys=[plan.keys[bad]]), timeout=self.config.timeout_s)
+                await stub.Delete(pb.DeleteRequest(keys=[plan.keys[ok]]), timeout=self.config.timeout_s)
             except grpc.RpcError:
                 pass
-        if ks:
-            plan.kv = (torch.cat(ks, dim=1), torch.cat(vs, dim=1))
-            plan.tokens = len(ks) * chunk
-            self.stats.fetched_chunks += len(ks)
+        if ok:
+            plan.kv = (dest[0][:, :ok * chunk], dest[1][:, :ok * chunk])
+            plan.tokens = ok * chunk
+            self.stats.fetched_chunks += ok
 
-    def _decode_all(self, blobs: list[bytes], tokens: list[list[int]], namespace: bytes):
-        """Decodes blobs in order until the first bad one: (ks, vs, index of the bad one or None)."""
+    def _decode_into(self, blob: bytes, ids: list[int], namespace: bytes,
+                     dest: tuple[torch.Tensor, torch.Tensor], start: int) -> bool:
+        """Decodes one chunk into dest[:, start:start+len(ids)]; False (and nothing written) when
+        the blob is damaged, of another namespace or shape, or holds other token ids."""
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        ks, vs = [], []
-        for i, (blob, ids) in enumerate(zip(blobs, tokens)):
-            try:
-                k, v, header = codec.decode(blob, namespace=namespace, dtype=self.dtype,
-                                            expect_shape=(L, len(ids), H, D))
-            except (codec.CorruptBlob, codec.NamespaceMismatch) as err:
-                log.warning("KV blob %d rejected (%s); computing from there", i, err)
-                return ks, vs, i
-            if list(header.token_ids) != ids:  # a key collision or a bad writer: never use it
-                log.warning("KV blob %d holds other token ids than its key claims; computing from there", i)
-                return ks, vs, i
-            ks.append(k)
-            vs.append(v)
-        return ks, vs, None
+        try:
+            k, v, header = codec.decode(blob, namespace=namespace, dtype=self.dtype, expect_shape=(L, len(ids), H, D))
+        except (codec.CorruptBlob, codec.NamespaceMismatch) as err:
+            log.warning("KV blob at token %d rejected (%s); computing from there", start, err)
+            return False
+        if list(header.token_ids) != ids:  # a key collision or a bad writer: never use it
+            log.warning("KV blob at token %d holds other token ids than its key claims; computing from there", start)
+            return False
+        dest[0][:, start:start + len(ids)].copy_(k)
+        dest[1][:, start:start + len(ids)].copy_(v)
+        return True
 
     # ---- export (step loop -> export thread) ---------------------------------------------------
 
@@ -220,7 +255,7 @@ class KvConnector:
                     blob = codec.encode(job.k[:, sl], job.v[:, sl],
                                         codec.ChunkMeta(job.namespace, tuple(job.token_ids[sl])),
                                         self.config.codec)
-                    stub.Put(_put_messages(key, blob), timeout=self.config.timeout_s)
+                    stub.Put(_put_messages(key, blob), timeout=EXPORT_TIMEOUT_S)
                     self.stats.exported_chunks += 1
                 except grpc.RpcError as err:
                     self.stats.export_failures += len(job.keys) - i
