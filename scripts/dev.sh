@@ -47,6 +47,13 @@ case "${1:-}" in
   test)
     shift
     setup test
+    # The shared Redis tier is tested against a real redis-server (Debian's package); without
+    # one, those tests skip and say why.
+    if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "[kvmesh] installing redis-server (Debian package) for the Redis-tier tests" >&2
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
+        || echo "[kvmesh] could not install redis-server; the Redis-tier tests will skip" >&2
+    fi
     # -p no:cacheprovider: CI runs in a fresh clone; nothing to gain from a cache dir.
     exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
     ;;

@@ -14,7 +14,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from kvmesh import launcher
 
     try:
-        procs = launcher.up(args.engine_arg, port=args.engine_port)
+        procs = launcher.up(args.engine_arg, port=args.engine_port, kvcache_port=args.kvcache_port,
+                            kvcache_args=args.kvcache_arg)
     except launcher.LaunchError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 1
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine-arg", action="append", default=[],
                     help="extra flag for the engine (repeatable), e.g. --engine-arg=--weights=int8")
     up.add_argument("--engine-port", type=int, default=50061, help="engine gRPC port")
+    up.add_argument("--kvcache-arg", action="append", default=[],
+                    help="extra flag for the KV-cache service (repeatable), e.g. --kvcache-arg=--memory-bytes=1073741824")
+    up.add_argument("--kvcache-port", type=int, default=50071, help="KV-cache service gRPC port")
     up.set_defaults(fn=_cmd_up)
     sub.add_parser("down", help="stop the local stack gracefully").set_defaults(fn=_cmd_down)
     sub.add_parser("status", help="health of each local service").set_defaults(fn=_cmd_status)

@@ -136,13 +136,26 @@ def stop_service(svc: ServiceProc, timeout_s: float = 20.0) -> bool:
     return True
 
 
-def up(engine_args: list[str], *, port: int = 50061) -> list[ServiceProc]:
-    """Starts the local stack (today: one engine) unless it is already running."""
+def up(engine_args: list[str], *, port: int = 50061, kvcache_port: int = 50071,
+       kvcache_args: list[str] | None = None) -> list[ServiceProc]:
+    """Starts the local stack unless it is already running: the KV-cache service (LMDB under the
+    data directory), then the engine linked to it. Returns the processes in start order."""
     running = [p for p in load_state() if alive(p.pid)]
     if running:
         return running
-    engine = start_service("engine", "kvmesh.services.engine", engine_args, port)
-    procs = [engine]
+    procs: list[ServiceProc] = []
+    try:
+        # The KV service mostly waits on I/O: one torch thread, the cores go to the engine.
+        kv = start_service("kvcache", "kvmesh.services.kvcache",
+                           ["--data-dir", str(data_dir() / "kvcache"), *(kvcache_args or [])], kvcache_port,
+                           env={"OMP_NUM_THREADS": "1"})
+        procs.append(kv)
+        procs.append(start_service("engine", "kvmesh.services.engine",
+                                   ["--kvcache-address", kv.address, *engine_args], port))
+    except LaunchError:
+        for p in reversed(procs):
+            stop_service(p)
+        raise
     _save_state(procs)
     return procs
 

@@ -27,7 +27,8 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
 def test_up_status_chat_down(tmp_path):
     env = {**os.environ, "KVMESH_DATA_DIR": str(tmp_path)}
     port = launcher.free_port()
-    up = _kvmesh("up", "--engine-port", str(port), "--engine-arg=--kv-cache-bytes=67108864", env=env)
+    up = _kvmesh("up", "--engine-port", str(port), "--kvcache-port", str(launcher.free_port()),
+                 "--engine-arg=--kv-cache-bytes=67108864", env=env)
     assert up.returncode == 0, up.stderr
     try:
         status = _kvmesh("status", env=env)
@@ -39,10 +40,11 @@ def test_up_status_chat_down(tmp_path):
         assert "tok/s" in chat.stderr
     finally:
         down = _kvmesh("down", env=env)
-    assert down.returncode == 0 and "engine" in down.stdout
+    assert down.returncode == 0 and "engine" in down.stdout and "kvcache" in down.stdout
     after = _kvmesh("status", env=env)
     assert after.returncode == 3
     assert (tmp_path / "logs" / "engine.log").read_text().count("listening on") == 1
+    assert (tmp_path / "kvcache").is_dir()  # the KV service's LMDB lives in the data directory
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path, monkeypatch):
