@@ -24,7 +24,9 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.kv.codec import CodecSpec
 from kvmesh.services.engine.core import EngineCore, EngineRequest, RequestOutput
+from kvmesh.services.engine.kv_connector import parse_codec
 from kvmesh.services.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,8 @@ class AsyncEngine:
     # ---- asyncio side ------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str = "", cache_salt: bytes = b"") -> AsyncIterator[RequestOutput]:
+                       request_id: str = "", cache_salt: bytes = b"",
+                       kv_codec: str = "") -> AsyncIterator[RequestOutput]:
         """Validates and queues a request, then yields its outputs until the final one.
 
         With a KV-cache service configured, the prompt's cached prefix is fetched first (while
@@ -69,6 +72,12 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidArgument(f"request_id {request_id!r} is already running; use a unique id")
         self.core.validate(prompt_token_ids, params)
+        spec = None
+        if kv_codec:
+            try:
+                spec = parse_codec(kv_codec, self.core.kv.config.codec if self.core.kv else CodecSpec())
+            except ValueError as err:
+                raise InvalidArgument(str(err)) from err
         if len(self._streams) >= self.max_waiting + self.core.sched_config.max_num_seqs:
             raise ResourceExhausted(
                 f"the engine queue is full ({len(self._streams)} requests); retry later")
@@ -79,7 +88,7 @@ class AsyncEngine:
         try:
             plan = None
             if self.core.kv is not None:
-                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt)
+                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt, spec)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

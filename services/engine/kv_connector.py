@@ -20,6 +20,7 @@ NOTE (where the work happens, and why nothing here can fail a request).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import queue
@@ -63,6 +64,7 @@ class KvPlan:
     present: list[bool]  # per key, stored when looked up (no need to export it again)
     kv: tuple[torch.Tensor, torch.Tensor] | None = None  # fetched [layers, tokens, kvh, hd]
     tokens: int = 0  # tokens `kv` covers (whole chunks)
+    spec: codec.CodecSpec | None = None  # codec for this prompt's exports (None = the deployment's)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class ExportJob:
     token_ids: list[int]
     k: torch.Tensor
     v: torch.Tensor
+    spec: codec.CodecSpec | None = None  # the request's codec; None = the deployment's
 
 
 @dataclass
@@ -85,6 +88,15 @@ class ConnectorStats:
     exported_chunks: int = 0
     export_failures: int = 0
     export_dropped: int = 0
+
+
+def parse_codec(name: str, base: codec.CodecSpec) -> codec.CodecSpec:
+    """'int4', 'int2+zstd', 'fp16' ... -> a CodecSpec (group and residual from `base`); ValueError
+    with the accepted forms otherwise."""
+    codec_name, plus, extra = name.partition("+")
+    if codec_name not in codec.CODECS or (plus and extra != "zstd"):
+        raise ValueError(f"unknown KV codec {name!r}; use one of {', '.join(codec.CODECS)}, optionally with '+zstd'")
+    return dataclasses.replace(base, name=codec_name, zstd=bool(plus))
 
 
 def _single_thread_torch() -> None:
@@ -145,14 +157,15 @@ class KvConnector:
 
     # ---- fetch (asyncio side) ------------------------------------------------------------------
 
-    async def prepare(self, prompt: list[int], salt: bytes) -> KvPlan | None:
-        """Looks up and fetches the prompt's cached prefix; None when it has no full chunk."""
+    async def prepare(self, prompt: list[int], salt: bytes, spec: codec.CodecSpec | None = None) -> KvPlan | None:
+        """Looks up and fetches the prompt's cached prefix; None when it has no full chunk.
+        `spec` is the codec this prompt's new chunks will be stored with (None: the deployment's)."""
         chunk = self.config.chunk_tokens
         if len(prompt) < chunk:
             return None
         ns = self.namespace(salt)
         keys = prefix_keys(prompt, chunk, ns)
-        plan = KvPlan(ns, keys, [False] * len(keys))
+        plan = KvPlan(ns, keys, [False] * len(keys), spec=spec)
         stub = self._stub()
         t0 = time.perf_counter()
         try:
@@ -254,7 +267,7 @@ class KvConnector:
                 try:
                     blob = codec.encode(job.k[:, sl], job.v[:, sl],
                                         codec.ChunkMeta(job.namespace, tuple(job.token_ids[sl])),
-                                        self.config.codec)
+                                        job.spec or self.config.codec)
                     stub.Put(_put_messages(key, blob), timeout=EXPORT_TIMEOUT_S)
                     self.stats.exported_chunks += 1
                 except grpc.RpcError as err:

@@ -74,7 +74,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             ids = list(request.token_ids.ids)
         params = sampling_from_proto(request.sampling)
         salt = request.cache_salt.encode()
-        async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt):
+        async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt,
+                                              kv_codec=request.kv_codec):
             yield self._to_proto(out, tokenizer)
 
     def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:

@@ -2,6 +2,8 @@
 fresh one; every fault of the KV service degrades to recompute."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -61,6 +63,11 @@ def prompt(bundled_model) -> list[int]:
     return bundled_model.tokenizer.encode(reference_text())[:100]  # 3 full chunks + 4 tokens
 
 
+async def flushed(eng: AsyncEngine) -> bool:
+    """Waits for the engine's queued exports off the event loop (the KV server runs on it)."""
+    return await asyncio.to_thread(eng.core.kv.flush)
+
+
 async def close(eng: AsyncEngine) -> None:
     eng.shutdown()
     await eng.core.kv.close()
@@ -71,7 +78,7 @@ async def test_prefix_kv_comes_back_to_a_fresh_engine(bundled_model, kv_address,
     first = engine(bundled_model, kv_address, kv_codec=codec_name)
     cold_tokens, cold = await run(first, prompt)
     assert cold.usage.cached_prompt_tokens == 0
-    assert first.core.kv.flush()
+    assert await flushed(first)
     assert first.core.kv.stats.exported_chunks == 3
     await close(first)
 
@@ -80,14 +87,14 @@ async def test_prefix_kv_comes_back_to_a_fresh_engine(bundled_model, kv_address,
     assert warm.usage.cached_prompt_tokens == 3 * CHUNK
     assert second.core.kv.stats.fetched_chunks == 3
     assert warm_tokens == cold_tokens  # lossy codecs, but these 8 greedy tokens do not move
-    assert second.core.kv.flush() and second.core.kv.stats.exported_chunks == 0  # all present already
+    assert await flushed(second) and second.core.kv.stats.exported_chunks == 0  # all present already
     await close(second)
 
 
 async def test_other_salt_never_reuses(bundled_model, kv_address, prompt):
     first = engine(bundled_model, kv_address)
     await run(first, prompt, salt=b"tenant-a")
-    assert first.core.kv.flush()
+    assert await flushed(first)
     await close(first)
     second = engine(bundled_model, kv_address)
     _, final = await run(second, prompt, salt=b"tenant-b")
@@ -101,7 +108,7 @@ async def test_kv_service_down_means_recompute(bundled_model, prompt):
     tokens, final = await run(eng, prompt)
     assert final.finish_reason == "length" and final.usage.cached_prompt_tokens == 0
     assert eng.core.kv.stats.fetch_failures == 1
-    assert eng.core.kv.flush() and eng.core.kv.stats.export_failures == 3
+    assert await flushed(eng) and eng.core.kv.stats.export_failures == 3
     await close(eng)
     assert tokens == (await run(baseline, prompt))[0]
     await close(baseline)
@@ -110,7 +117,7 @@ async def test_kv_service_down_means_recompute(bundled_model, prompt):
 async def test_bad_blob_is_a_miss_and_is_deleted(bundled_model, kv_address, prompt):
     first = engine(bundled_model, kv_address, kv_codec="fp16")  # fp16: outputs comparable token for token
     cold_tokens, _ = await run(first, prompt)
-    assert first.core.kv.flush()
+    assert await flushed(first)
     plan = await first.core.kv.prepare(prompt, b"")
     await close(first)
     # Overwrite chunk 1 with an intact blob that claims other tokens (a bad writer / collision).
@@ -124,7 +131,7 @@ async def test_bad_blob_is_a_miss_and_is_deleted(bundled_model, kv_address, prom
     assert final.usage.cached_prompt_tokens == CHUNK  # chunk 0 only: the rest is recomputed
     assert second.core.kv.stats.bad_blobs == 1 and tokens == cold_tokens
     # The forged entry is gone: the second engine recomputed chunks 1-2 and stored them correctly.
-    assert second.core.kv.flush() and second.core.kv.stats.exported_chunks == 2
+    assert await flushed(second) and second.core.kv.stats.exported_chunks == 2
     _, _, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=plan.namespace)
     assert header.token_ids == tuple(prompt[CHUNK:2 * CHUNK])
     await close(second)
@@ -142,3 +149,19 @@ async def put(address: str, key: bytes, blob: bytes) -> None:
 
     async with grpc.aio.insecure_channel(address) as ch:
         await kvcache_pb2_grpc.KvcacheServiceStub(ch).Put(_put_messages(key, blob), timeout=5)
+
+
+async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_address, prompt):
+    eng = engine(bundled_model, kv_address, kv_codec="int4")
+    tokens, final = [], None
+    async for out in eng.generate(prompt, greedy(2), kv_codec="fp16+zstd"):
+        final = out
+    assert final.finished and await flushed(eng) and eng.core.kv.stats.exported_chunks == 3
+    plan = await eng.core.kv.prepare(prompt, b"")
+    _, _, header = codec.decode(await fetch(kv_address, plan.keys[0]), namespace=plan.namespace)
+    assert (header.codec, header.zstd) == ("fp16", True)
+    from kvmesh.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="unknown KV codec 'int3'"):
+        async for _ in eng.generate(prompt, greedy(2), kv_codec="int3"):
+            pass
+    await close(eng)
