@@ -24,6 +24,7 @@ _META = struct.Struct("<Qdd?")  # blob size, last access (clock seconds), expire
 _PAGE_HEADER = 16  # LMDB's PAGEHDRSZ
 _NODE_HEADER = 8 + 2  # LMDB node header + its slot in the page's index
 _RESERVED_PAGES = 64  # meta pages, roots, branch pages, free-list pages
+_SETTLE_KEY = b"kvmesh.evictions"  # in LMDB's main DB, beside the two named DBs
 
 
 class StoreInUse(RuntimeError):
@@ -62,8 +63,10 @@ class LmdbTier(Tier):
     B-tree nodes of both records, at half fill) under ``high_water * map_size``. When a put
     would cross it, expired entries go first, then least-recently-used unpinned entries, down to
     ``low_water`` so that evictions come in batches (one transaction each). Freed pages are only
-    reusable after the evicting transaction commits, so eviction is its own transaction. If the
-    estimate is still short (fragmented free pages, a long reader pinning old pages) and LMDB
+    reusable two commits after the transaction that freed them (LMDB keeps the previous snapshot
+    intact), so eviction is its own transaction followed by a tiny "settle" commit (this process's
+    eviction count under ``kvmesh.evictions``) before the put's transaction. If the estimate is
+    still short (fragmented free pages, a long reader pinning old pages) and LMDB
     raises MapFullError, the put is aborted cleanly, another eighth of the budget is evicted and
     the put retried; with nothing unpinned left it raises StoreFull.
 
@@ -310,6 +313,7 @@ class LmdbTier(Tier):
                             f"{self._used - freed} bytes are pinned")
         if victims:
             self._remove(victims, evicted=True)
+            self._settle()
 
     def _evict_lru(self, nbytes: int, *, keep: bytes) -> int:
         """Evict unpinned LRU entries worth at least ``nbytes`` (or all of them); returns how many."""
@@ -322,6 +326,7 @@ class LmdbTier(Tier):
                 freed += self.cost(meta.size)
         if victims:
             self._remove(victims, evicted=True)
+            self._settle()
         return len(victims)
 
     def _remove(self, keys: list[bytes], *, evicted: bool) -> None:
@@ -348,6 +353,14 @@ class LmdbTier(Tier):
             self._used -= self.cost(meta.size)
         if evicted:
             self._evictions += len(keys)
+
+    def _settle(self) -> None:
+        """Commit one tiny transaction so the pages the last one freed become reusable (see NOTE)."""
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(_SETTLE_KEY, struct.pack("<Q", self._evictions))
+        except lmdb.MapFullError:
+            log.warning("%s: map full while settling an eviction", self.name)
 
 
 def _lock_owner(path: Path) -> int:

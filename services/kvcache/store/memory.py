@@ -38,7 +38,8 @@ class MemoryTier(Tier):
             raise ValueError(f"capacity_bytes must be >= 0; got {capacity_bytes}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self.max_entry_bytes = min(capacity_bytes, max_entry_bytes if max_entry_bytes is not None else capacity_bytes)
+        limit = capacity_bytes if max_entry_bytes is None else max_entry_bytes
+        self.max_entry_bytes = min(capacity_bytes, limit)
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
