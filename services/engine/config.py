@@ -34,7 +34,7 @@ class EngineConfig:
     kv_chunk_tokens: int = setting(256, "Tokens per KV chunk stored in the KV-cache service (a multiple of block_size).", min=16)
     kv_codec: str = setting("int4", "Codec of exported chunks.", choices=("fp16", "bf16", "int8", "int4", "int2"))
     kv_zstd: bool = setting(True, "zstd-compress exported chunks.")
-    kv_group_size: int = setting(128, "int4/int2: tokens per key group, channels per value group.", min=1, max=65535)
+    kv_group_size: int = setting(64, "int4/int2: tokens per key group, channels per value group.", min=1, max=65535)
     kv_residual: int = setting(0, "int8/int4/int2: last tokens of each chunk kept in fp16.", min=0)
     kv_timeout_s: float = setting(5.0, "Deadline of each KV-cache call; a late answer means recompute.", min=0.01)
     grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)

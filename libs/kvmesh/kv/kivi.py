@@ -1,8 +1,7 @@
-"""Asymmetric integer quantization of KV (KIVI, Liu et al. 2024) and the integer layouts the chunk
-codec hands to its entropy coder.
+"""Asymmetric integer quantization of KV (KIVI, Liu et al. 2024) and the bit packing of its codes.
 
 Everything groups along the LAST dimension, so the caller picks the KIVI direction by permuting:
-keys as ``[L, kvh, hd, T]`` (per-channel: each group is ``group`` consecutive tokens of one
+keys as ``[L, kvh*hd, T]`` (per-channel: each group is ``group`` consecutive tokens of one
 channel), values as ``[L, T, kvh*hd]`` (per-token: each group is ``group`` consecutive channels of
 one token). All functions are plain vectorised torch ops and run on whatever device the input is on.
 
@@ -29,17 +28,19 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     """
     n = x.shape[-1]
     ng = -(-n // group)
-    x = x.float()  # [..., n]
+    x = x.float().contiguous()  # [..., n]; strided input is 3x slower to reduce
     if ng * group != n:
         x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], ng * group - n)], dim=-1)
     xg = x.view(*x.shape[:-1], ng, group)  # [..., ng, group]
-    mn, mx = (m.clamp(-_FP16_MAX, _FP16_MAX) for m in torch.aminmax(xg, dim=-1))  # [..., ng]
+    mn = xg.amin(dim=-1).clamp_(-_FP16_MAX, _FP16_MAX)  # [..., ng]; 5x faster than aminmax on CPU
+    mx = xg.amax(dim=-1).clamp_(-_FP16_MAX, _FP16_MAX)
     qmax = (1 << bits) - 1
     scale = ((mx - mn) * ((1 + 2**-10) / qmax)).half()  # one ulp up: codes never exceed qmax
     zero = mn.half()
     s = scale.float()
     inv = torch.where(s > 0, 1 / s, torch.ones_like(s))  # [..., ng]
-    q = (xg - zero.float()[..., None]).mul_(inv[..., None]).round_().clamp_(0, qmax)
+    # (x - zero) / scale + 0.5 in one pass; clamping then truncating to uint8 rounds half up
+    q = torch.addcmul((0.5 - zero.float() * inv)[..., None], xg, inv[..., None]).clamp_(0, qmax)
     codes = q.to(torch.uint8).view(*x.shape[:-1], ng * group)[..., :n]
     return codes, scale, zero
 
@@ -54,22 +55,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gro
     c = c.reshape(*c.shape[:-1], ng, group)  # [..., ng, group]
     x = torch.addcmul(zero.float()[..., None], c, scale.float()[..., None])
     return x.view(*c.shape[:-2], ng * group)[..., :n]
-
-
-def delta(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Differences of neighbouring codes along the last dim, modulo ``2**bits`` (lossless).
-
-    Neighbouring tokens of real KV are close (CacheGen, Liu et al. 2024), so the differences of
-    their codes cluster around 0 and the entropy coder shrinks them far better than raw codes.
-    """
-    d = codes.clone()
-    d[..., 1:] -= codes[..., :-1]  # uint8 arithmetic wraps modulo 256
-    return d & ((1 << bits) - 1)
-
-
-def undelta(d: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of ``delta``: running sum modulo ``2**bits``, back to uint8 codes."""
-    return d.cumsum(dim=-1, dtype=torch.uint8) & ((1 << bits) - 1)  # wraps modulo 256
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

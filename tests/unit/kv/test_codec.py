@@ -217,13 +217,11 @@ def test_bad_inputs_raise_value_error():
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_kivi_pack_and_delta_are_lossless(bits):
+def test_kivi_pack_is_lossless(bits):
     codes = torch.randint(0, 1 << bits, (3, 5, 7), dtype=torch.uint8)
     packed = kivi.pack(codes, bits)
     assert packed.numel() == -(-codes.numel() * bits // 8)
     assert torch.equal(kivi.unpack(packed, bits, codes.numel()).view(3, 5, 7), codes)
-    d = kivi.delta(codes, bits)
-    assert int(d.max()) < 1 << bits and torch.equal(kivi.undelta(d, bits), codes)
 
 
 @pytest.mark.slow
@@ -242,7 +240,8 @@ def test_real_kv_compression_and_error(bundled_model):
         lm.model.forward(torch.tensor(ids), torch.arange(T), kv, md)
     k = torch.stack([kc.view(-1, cfg.num_kv_heads, cfg.head_dim)[:T] for kc, _ in kv])  # [L, T, kvh, hd]
     v = torch.stack([vc.view(-1, cfg.num_kv_heads, cfg.head_dim)[:T] for _, vc in kv])
-    max_rel_err = {"fp16": 1e-3, "bf16": 5e-3, "int8": 0.01, "int4": 0.12, "int2": 0.5}
+    # measured worst k/v chunk: 0.0002, 0.0017, 0.008, 0.097, 0.48
+    max_rel_err = {"fp16": 1e-3, "bf16": 5e-3, "int8": 0.015, "int4": 0.15, "int2": 0.6}
     for name in CODECS:
         blob_bytes, errs = 0, []
         for s in range(0, 512, 256):
