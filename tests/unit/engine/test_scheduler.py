@@ -296,3 +296,33 @@ def test_config_validation_says_how_to_fix():
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32, max_model_len=128, block_size=16)
     with pytest.raises(ValueError, match="block_size"):
         Scheduler(SchedulerConfig(max_model_len=128, block_size=16), BlockManager(8, 8))
+
+
+def test_external_kv_is_imported_at_admission_without_budget():
+    sched = make_scheduler(num_blocks=16, budget=8)
+    seq = make_seq("a", 21)
+    seq.external_kv, seq.external_tokens = "payload", 16  # 4 whole blocks fetched from the KV service
+    sched.add(seq)
+    out = sched.schedule()
+    assert plan(out) == [("a", 5)]  # only the 5 tokens past the import use budget
+    assert [(i.seq.request_id, i.payload, i.start, i.end) for i in out.imports] == [("a", "payload", 0, 16)]
+    assert seq.block_table == [0, 1, 2, 3, 4, 5] and seq.num_computed_tokens == 16
+    assert seq.num_cached_tokens == 16 and seq.external_kv is None  # the payload is not kept
+    sched.commit(out)
+    assert seq.num_computed_tokens == 21
+
+
+def test_external_kv_only_fills_in_past_the_local_prefix_cache():
+    sched = make_scheduler(num_blocks=32, budget=64)
+    prompt = list(range(21))
+    first = make_seq("first", prompt)
+    sched.add(first)
+    out = sched.schedule()
+    sched.commit(out)
+    sched.finish(first, FinishReason.LENGTH)  # its 5 full blocks stay in the prefix cache
+    again = make_seq("again", prompt)
+    again.external_kv, again.external_tokens = "payload", 16
+    sched.add(again)
+    out = sched.schedule()
+    assert out.imports == [] and again.num_computed_tokens == 20  # local hits cover more than the import
+    assert plan(out) == [("again", 1)] and again.num_cached_tokens == 20

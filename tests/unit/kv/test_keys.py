@@ -1,0 +1,58 @@
+"""Chunk keys: chained, namespaced, stable across processes."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvmesh.kv.keys import KEY_BYTES, KvLayout, content_key, make_namespace, prefix_keys
+
+LAYOUT = KvLayout(30, 3, 64, "float32")
+NS = make_namespace("weights-sha", LAYOUT)
+
+
+def test_one_key_per_full_chunk_chained_through_the_prefix():
+    tokens = list(range(100))
+    keys = prefix_keys(tokens, 32, NS)
+    assert len(keys) == 3 and all(len(k) == KEY_BYTES for k in keys) and len(set(keys)) == 3
+    assert prefix_keys(tokens[:96], 32, NS) == keys  # the partial tail chunk has no key
+    changed_late = prefix_keys(tokens[:40] + [7] + tokens[41:], 32, NS)
+    assert changed_late[0] == keys[0] and changed_late[1:] != keys[1:]
+    changed_early = prefix_keys([5] + tokens[1:], 32, NS)
+    assert all(a != b for a, b in zip(changed_early, keys))  # every later chunk depends on it
+
+
+@pytest.mark.parametrize("other", [
+    make_namespace("other-weights", LAYOUT),
+    make_namespace("weights-sha", KvLayout(30, 3, 64, "bfloat16")),
+    make_namespace("weights-sha", LAYOUT, tenant_salt="tenant-b"),
+])
+def test_namespaces_separate_models_layouts_and_tenants(other):
+    tokens = list(range(64))
+    assert other != NS
+    assert set(prefix_keys(tokens, 32, other)).isdisjoint(prefix_keys(tokens, 32, NS))
+    assert content_key(tokens[:32], other) != content_key(tokens[:32], NS)
+
+
+def test_content_key_is_position_free_and_differs_from_prefix_key():
+    doc = list(range(1000, 1032))
+    assert content_key(doc, NS) == content_key(list(doc), NS)
+    first_chunk_key = prefix_keys(doc, 32, NS)[0]
+    assert content_key(doc, NS) != first_chunk_key
+
+
+def test_keys_are_stable_across_processes():
+    code = ("from kvmesh.kv.keys import *; ns = make_namespace('weights-sha', KvLayout(30, 3, 64, 'float32'));"
+            "print(prefix_keys(list(range(100)), 32, ns)[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    assert outs == {prefix_keys(list(range(100)), 32, NS)[-1].hex()}
+
+
+def test_bad_input_is_rejected_with_a_message():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        prefix_keys([1, 2], 0, NS)
+    with pytest.raises(ValueError, match="16 bytes"):
+        prefix_keys([1, 2], 1, b"short")
+    with pytest.raises(ValueError, match="token ids"):
+        prefix_keys([-1], 1, NS)
