@@ -8,7 +8,6 @@ import signal
 import threading
 
 import grpc
-import pytest
 import torch
 
 from kvmesh import launcher

@@ -153,7 +153,7 @@ async def put(address: str, key: bytes, blob: bytes) -> None:
 
 async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_address, prompt):
     eng = engine(bundled_model, kv_address, kv_codec="int4")
-    tokens, final = [], None
+    final = None
     async for out in eng.generate(prompt, greedy(2), kv_codec="fp16+zstd"):
         final = out
     assert final.finished and await flushed(eng) and eng.core.kv.stats.exported_chunks == 3

@@ -50,7 +50,7 @@ async def kv(tmp_path):
 
 
 async def get_all(stub, keys: list[bytes]) -> dict[bytes, tuple[bytes | None, int]]:
-    out, key, parts = {}, None, []
+    out, key, parts, tier = {}, None, [], pb.TIER_UNSPECIFIED
     async for msg in stub.Get(pb.GetRequest(keys=keys), timeout=10):
         if msg.HasField("header"):
             if key is not None:

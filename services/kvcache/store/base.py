@@ -57,6 +57,15 @@ def check_ttl(ttl_s: float | None) -> None:
         raise ValueError(f"ttl_s must be None (no expiry) or > 0 seconds; got {ttl_s!r}")
 
 
+def check_put(tier: str, key: bytes, blob: bytes, ttl_s: float | None, max_entry_bytes: int) -> None:
+    """The checks every tier's ``put`` makes first: key, TTL, and the per-entry size limit."""
+    check_key(key)
+    check_ttl(ttl_s)
+    if len(blob) > max_entry_bytes:
+        raise EntryTooLarge(f"{tier}: blob of {len(blob)} bytes exceeds the per-entry limit "
+                            f"of {max_entry_bytes} bytes")
+
+
 class Tier(abc.ABC):
     """One storage tier. All methods block; implementations are thread-safe.
 

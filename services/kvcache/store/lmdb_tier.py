@@ -16,7 +16,7 @@ from typing import Callable
 import lmdb
 
 from kvmesh.services.kvcache.store.base import (
-    KEY_BYTES, EntryTooLarge, StoreFull, Tier, TierStats, check_key, check_ttl)
+    KEY_BYTES, StoreFull, Tier, TierStats, check_put, check_ttl)
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,7 @@ class LmdbTier(Tier):
 
     def put(self, key: bytes, blob: bytes, *, ttl_s: float | None = None, pinned: bool = False) -> None:
         """Durably store ``blob`` (fsynced before returning), evicting LRU entries as needed."""
-        check_key(key)
-        check_ttl(ttl_s)
-        if len(blob) > self.max_entry_bytes:
-            raise EntryTooLarge(f"{self.name}: blob of {len(blob)} bytes exceeds the per-entry limit "
-                                f"of {self.max_entry_bytes} bytes")
+        check_put(self.name, key, blob, ttl_s, self.max_entry_bytes)
         cost = self.cost(len(blob))
         with self._lock:
             now = self._clock()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvmesh.services.kvcache.store.base import (
-    EntryTooLarge, StoreFull, Tier, TierStats, check_key, check_ttl)
+    StoreFull, Tier, TierStats, check_put, check_ttl)
 
 
 @dataclass
@@ -81,11 +81,7 @@ class MemoryTier(Tier):
 
     def put(self, key: bytes, blob: bytes, *, ttl_s: float | None = None, pinned: bool = False) -> None:
         """Insert or replace ``key`` as most recently used, evicting LRU unpinned entries."""
-        check_key(key)
-        check_ttl(ttl_s)
-        if len(blob) > self.max_entry_bytes:
-            raise EntryTooLarge(f"{self.name}: blob of {len(blob)} bytes exceeds the per-entry limit "
-                                f"of {self.max_entry_bytes} bytes")
+        check_put(self.name, key, blob, ttl_s, self.max_entry_bytes)
         with self._lock:
             now = self._clock()
             old = self._entries.pop(key, None)

@@ -10,7 +10,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvmesh.services.kvcache.store.base import (
-    EntryTooLarge, StoreFull, Tier, TierStats, TierUnavailable, check_key, check_ttl)
+    StoreFull, Tier, TierStats, TierUnavailable, check_put, check_ttl)
 
 T = TypeVar("T")
 
@@ -122,11 +122,7 @@ class RedisTier(Tier):
 
     def put(self, key: bytes, blob: bytes, *, ttl_s: float | None = None, pinned: bool = False) -> None:
         """Replace ``key`` atomically (one script): blob, pin flag and deadline together."""
-        check_key(key)
-        check_ttl(ttl_s)
-        if len(blob) > self.max_entry_bytes:
-            raise EntryTooLarge(f"{self.name}: blob of {len(blob)} bytes exceeds the per-entry limit "
-                                f"of {self.max_entry_bytes} bytes")
+        check_put(self.name, key, blob, ttl_s, self.max_entry_bytes)
         ttl_ms = "" if ttl_s is None else str(max(1, round(ttl_s * 1000)))
         self._guard(lambda: self._put(keys=[self._key(key)], args=[blob, "1" if pinned else "0", ttl_ms]))
 
