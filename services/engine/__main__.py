@@ -23,6 +23,7 @@ async def serve(cfg: EngineConfig) -> None:
     setup_telemetry("kvmesh-engine", otlp_endpoint=cfg.otlp_endpoint)
     engine = build_async_engine(cfg)
     if engine.core.kv is not None:
+        metrics.register_kv_connector(engine.core.kv)
         await engine.core.kv.warm_up()
     engine.on_step = metrics.record_step
     servicer = EngineServicer(engine, model_info(engine.core, cfg))

@@ -36,6 +36,7 @@ from kvmesh.kv import codec
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+from kvmesh.rpc.client import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ class KvConnector:
 
     def _stub(self) -> kvcache_pb2_grpc.KvcacheServiceStub:
         if self._aio_channel is None:  # created lazily on the serving event loop
-            self._aio_channel = grpc.aio.insecure_channel(self.config.address)
+            # kvmesh's client channel: deadlines capped by the serving call's, trace context carried.
+            self._aio_channel = make_channel(self.config.address, default_timeout_s=self.config.timeout_s)
         return kvcache_pb2_grpc.KvcacheServiceStub(self._aio_channel)
 
     # ---- fetch (asyncio side) ------------------------------------------------------------------

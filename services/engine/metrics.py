@@ -33,3 +33,33 @@ def record_step(core: EngineCore, outputs: list[RequestOutput], seconds: float) 
             REQUESTS.labels(out.finish_reason).inc()
             TTFT.observe(out.ttft_s)
             E2E.observe(out.e2e_s)
+
+
+class _KvConnectorCollector:
+    """Exposes the KV-service link's counters at scrape time (the connector counts; no copies)."""
+
+    _HELP = {
+        "lookups": "Prompts looked up in the KV-cache service.",
+        "fetched_chunks": "KV chunks fetched from the KV-cache service and imported.",
+        "fetch_failures": "Lookups/fetches that failed (the prompt was recomputed).",
+        "bad_blobs": "Fetched blobs rejected (checksum, namespace, shape or token ids) and deleted.",
+        "exported_chunks": "KV chunks stored in the KV-cache service.",
+        "export_failures": "KV chunks whose store failed.",
+        "export_dropped": "KV chunks not exported because the export queue was full.",
+    }
+
+    def __init__(self, stats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for field, help_text in self._HELP.items():
+            yield CounterMetricFamily(f"kvmesh_engine_kv_{field}", help_text, value=getattr(self.stats, field))
+
+
+def register_kv_connector(connector) -> None:
+    """Publish `connector.stats` as kvmesh_engine_kv_* counters."""
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(_KvConnectorCollector(connector.stats))
