@@ -82,6 +82,7 @@ class PagedSequence:
 def quality_rows(plan: Plan) -> list[dict]:
     from kvmesh.kv import codec
     from kvmesh.kv.keys import KvLayout, make_namespace
+    from kvmesh.kv.rope import rotate_keys, unrotate_keys
     from kvmesh.model.attention import read_kv
     from kvmesh.model.loader import load_model
     from kvmesh.model.perplexity import reference_text
@@ -93,6 +94,7 @@ def quality_rows(plan: Plan) -> list[dict]:
     total = len(prompt) + len(cont) + plan.greedy_tokens
     c = lm.config
     ns = make_namespace(lm.identity, KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, "float32"))
+    rotary = lm.model.rotary
 
     exact = PagedSequence(lm, total)
     exact.extend(prompt)
@@ -123,12 +125,17 @@ def quality_rows(plan: Plan) -> list[dict]:
         for zstd in (False, True):
             spec = codec.CodecSpec(name=name, zstd=zstd)
             t0 = time.perf_counter()
-            blobs = [codec.encode(k_all[:, i * CHUNK:(i + 1) * CHUNK], v_all[:, i * CHUNK:(i + 1) * CHUNK],
+            # As the engine stores them: keys un-rotated to position 0 (kvmesh.kv.rope), then encoded.
+            blobs = [codec.encode(unrotate_keys(k_all[:, i * CHUNK:(i + 1) * CHUNK], i * CHUNK, rotary),
+                                  v_all[:, i * CHUNK:(i + 1) * CHUNK],
                                   codec.ChunkMeta(ns, tuple(prompt[i * CHUNK:(i + 1) * CHUNK])), spec)
                      for i in range(n_chunks)]
             enc_s = (time.perf_counter() - t0) / n_chunks
             t0 = time.perf_counter()
-            parts = [codec.decode(b, namespace=ns)[:2] for b in blobs]
+            parts = []
+            for i, b in enumerate(blobs):
+                k, v, _ = codec.decode(b, namespace=ns)
+                parts.append((rotate_keys(k, i * CHUNK, rotary), v))
             dec_s = (time.perf_counter() - t0) / n_chunks
             size = sum(map(len, blobs))
             tag = dict(codec=name, zstd=zstd)

@@ -9,6 +9,7 @@ import torch
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import KvLayout
+from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
@@ -48,10 +49,12 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
     if not cfg.kvcache_address:
         return None
     c = loaded.config
-    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."))
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."),
+                      rope=STORED_KEYS)
     spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s),
-                       model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size)
+                       model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size,
+                       rotary=loaded.model.rotary)
     log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,
              cfg.kv_codec, "+zstd" if cfg.kv_zstd else "")
     return conn

@@ -189,8 +189,8 @@ class EngineCore:
             first = plan.present.index(False)
             start, end = first * chunk, len(plan.keys) * chunk
             k, v = self.runner.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
-            self.kv.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end], k, v,
-                                            plan.spec))
+            self.kv.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end],
+                                            start, k, v, plan.spec))
 
     def _emit(self, state: _State, token: int, logprob) -> RequestOutput:
         seq = state.seq

@@ -34,8 +34,10 @@ import torch
 
 from kvmesh.kv import codec
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
+from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+from kvmesh.model.llama import RotaryEmbedding
 from kvmesh.rpc.client import make_channel
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class ExportJob:
     namespace: bytes
     keys: list[bytes]
     token_ids: list[int]
+    start: int  # sequence position of the first token (keys are stored un-rotated from there)
     k: torch.Tensor
     v: torch.Tensor
     spec: codec.CodecSpec | None = None  # the request's codec; None = the deployment's
@@ -112,7 +115,7 @@ class KvConnector:
     """Client side of kvmesh.kvcache.v1 for one engine (one model identity and KV layout)."""
 
     def __init__(self, config: KvConnectorConfig, *, model_identity: str, layout: KvLayout,
-                 dtype: torch.dtype, block_size: int) -> None:
+                 dtype: torch.dtype, block_size: int, rotary: RotaryEmbedding) -> None:
         if config.chunk_tokens % block_size:
             raise ValueError(f"kv chunk_tokens ({config.chunk_tokens}) must be a multiple of the block "
                              f"size ({block_size})")
@@ -121,6 +124,7 @@ class KvConnector:
         self.layout = layout
         self.dtype = dtype
         self.block_size = block_size
+        self.rotary = rotary  # stored keys are position-free (see kvmesh.kv.rope)
         self.stats = ConnectorStats()
         # Two single-threaded decoders: a fetch decodes two chunks at a time (a prompt's TTFT
         # waits on it), each without an OpenMP team of its own.
@@ -245,7 +249,7 @@ class KvConnector:
         if list(header.token_ids) != ids:  # a key collision or a bad writer: never use it
             log.warning("KV blob at token %d holds other token ids than its key claims; computing from there", start)
             return False
-        dest[0][:, start:start + len(ids)].copy_(k)
+        dest[0][:, start:start + len(ids)].copy_(rotate_keys(k, start, self.rotary))
         dest[1][:, start:start + len(ids)].copy_(v)
         return True
 
@@ -267,7 +271,8 @@ class KvConnector:
             for i, key in enumerate(job.keys):
                 sl = slice(i * chunk, (i + 1) * chunk)
                 try:
-                    blob = codec.encode(job.k[:, sl], job.v[:, sl],
+                    k = unrotate_keys(job.k[:, sl], job.start + i * chunk, self.rotary).to(job.v.dtype)
+                    blob = codec.encode(k, job.v[:, sl],
                                         codec.ChunkMeta(job.namespace, tuple(job.token_ids[sl])),
                                         job.spec or self.config.codec)
                     stub.Put(_put_messages(key, blob), timeout=EXPORT_TIMEOUT_S)

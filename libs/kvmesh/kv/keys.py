@@ -35,7 +35,7 @@ class KvLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # the engine's KV dtype, e.g. "float32", "bfloat16"
-    rope: str = "rope-hf"  # keys are stored rotated to their positions (HF rotate-half convention)
+    rope: str = "pre-rope-hf"  # how stored keys relate to RoPE (kvmesh.kv.rope: un-rotated, HF convention)
 
     def describe(self) -> str:
         return f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-{self.dtype}-{self.rope}"
