@@ -88,7 +88,8 @@ class AsyncEngine:
         try:
             plan = None
             if self.core.kv is not None:
-                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt, spec)
+                local = self.core.cached_prefix_tokens(prompt_token_ids, cache_salt)
+                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt, spec, local)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -121,7 +121,7 @@ class EngineCore:
                        params=req.params, arrival_time=req.arrival_time, cache_salt=req.cache_salt)
         plan = req.kv_plan if self.kv is not None else None
         if plan is not None and plan.kv is not None:
-            seq.external_kv, seq.external_tokens = plan.kv, plan.tokens
+            seq.external_kv, seq.external_start, seq.external_tokens = plan.kv, plan.start, plan.tokens
             plan.kv = None  # the sequence holds it until import
         generator = make_generator(req.params)
         self.scheduler.add(seq)
@@ -139,6 +139,16 @@ class EngineCore:
             return None
         self.scheduler.finish(state.seq, "abort")
         return self._final(state, "abort", "")
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: bytes) -> int:
+        """How many leading prompt tokens the engine's prefix cache holds now.
+
+        A hint, safe to ask from the event-loop thread while the step loop runs: it only reads
+        (dict lookups are atomic under the GIL), and a stale answer only changes what the KV
+        connector fetches -- admission matches the prefix again and uses what is really there.
+        """
+        probe = Sequence(request_id="", prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
+        return self.block_manager.match_prefix(probe)[1]
 
     def request_ids(self) -> list[str]:
         """Ids of every queued or running request."""

@@ -66,7 +66,8 @@ class KvPlan:
     keys: list[bytes]  # chained keys of the prompt's full chunks
     present: list[bool]  # per key, stored when looked up (no need to export it again)
     kv: tuple[torch.Tensor, torch.Tensor] | None = None  # fetched [layers, tokens, kvh, hd]
-    tokens: int = 0  # tokens `kv` covers (whole chunks)
+    start: int = 0  # sequence position of the first token `kv` covers (whole chunks)
+    tokens: int = 0  # end position of what `kv` covers (whole blocks)
     spec: codec.CodecSpec | None = None  # codec for this prompt's exports (None = the deployment's)
 
 
@@ -163,9 +164,13 @@ class KvConnector:
 
     # ---- fetch (asyncio side) ------------------------------------------------------------------
 
-    async def prepare(self, prompt: list[int], salt: bytes, spec: codec.CodecSpec | None = None) -> KvPlan | None:
+    async def prepare(self, prompt: list[int], salt: bytes, spec: codec.CodecSpec | None = None,
+                      local_tokens: int = 0) -> KvPlan | None:
         """Looks up and fetches the prompt's cached prefix; None when it has no full chunk.
-        `spec` is the codec this prompt's new chunks will be stored with (None: the deployment's)."""
+
+        `spec` is the codec this prompt's new chunks will be stored with (None: the deployment's);
+        `local_tokens` how much of the prompt the engine's own prefix cache holds: whole chunks
+        of it are not fetched again (a chat's next turn on the same replica fetches nothing)."""
         chunk = self.config.chunk_tokens
         if len(prompt) < chunk:
             return None
@@ -179,29 +184,31 @@ class KvConnector:
             found = await stub.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk),
                                       timeout=self.config.timeout_s)
             plan.present = [t != pb.TIER_NONE for t in found.tiers]
-            if found.prefix_chunks:
-                await self._fetch(stub, plan, prompt, found.prefix_chunks)
+            first = local_tokens // chunk
+            if found.prefix_chunks > first:
+                await self._fetch(stub, plan, prompt, first, found.prefix_chunks)
                 # Whole blocks only, and never the last prompt token: it is computed for logits.
                 plan.tokens = min(plan.tokens, (len(prompt) - 1) // self.block_size * self.block_size)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             self.stats.fetch_failures += 1
             log.warning("KV service unavailable for fetch (%s); computing the prompt", _describe(err))
-        if plan.tokens:
-            log.info("KV prefix of %d tokens fetched in %.0f ms", plan.tokens, 1e3 * (time.perf_counter() - t0))
+        if plan.kv is not None:
+            log.info("KV of prompt tokens %d..%d fetched in %.0f ms", plan.start, plan.tokens,
+                     1e3 * (time.perf_counter() - t0))
         return plan
 
-    async def _fetch(self, stub, plan: KvPlan, prompt: list[int], n: int) -> None:
-        """Streams the first `n` chunks and decodes each on the codec thread as soon as it has
+    async def _fetch(self, stub, plan: KvPlan, prompt: list[int], first: int, n: int) -> None:
+        """Streams chunks first..n-1 and decodes each on the codec thread as soon as it has
         arrived (decode overlaps the transfer), straight into one destination tensor."""
         chunk, layout = self.config.chunk_tokens, self.layout
-        shape = (layout.num_layers, n * chunk, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, (n - first) * chunk, layout.num_kv_heads, layout.head_dim)
         dest = (torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
         loop = asyncio.get_running_loop()
         decodes: list[asyncio.Future] = []
         parts: list[bytes] = []
         header = None
         got = 0
-        call = stub.Get(pb.GetRequest(keys=plan.keys[:n]), timeout=self.config.timeout_s)
+        call = stub.Get(pb.GetRequest(keys=plan.keys[first:n]), timeout=self.config.timeout_s)
         async for msg in call:
             if msg.HasField("header"):
                 if not msg.header.found:
@@ -215,9 +222,10 @@ class KvConnector:
                 if len(blob) != header.total_bytes or _checksum(blob) != header.checksum:
                     break  # damaged in transit: import what came before it
                 i = len(decodes)
+                pos = (first + i) * chunk
                 decodes.append(loop.run_in_executor(
-                    self._codec_pool, self._decode_into, blob, prompt[i * chunk:(i + 1) * chunk],
-                    plan.namespace, dest, i * chunk))
+                    self._codec_pool, self._decode_into, blob, prompt[pos:pos + chunk],
+                    plan.namespace, dest, i * chunk, pos))
                 header = None
         call.cancel()  # no-op when the stream ended
         ok = 0
@@ -226,30 +234,31 @@ class KvConnector:
                 ok += 1
         if ok < len(decodes):
             self.stats.bad_blobs += 1
-            plan.present[ok] = False
+            plan.present[first + ok] = False
             try:
-                await stub.Delete(pb.DeleteRequest(keys=[plan.keys[ok]]), timeout=self.config.timeout_s)
+                await stub.Delete(pb.DeleteRequest(keys=[plan.keys[first + ok]]), timeout=self.config.timeout_s)
             except grpc.RpcError:
                 pass
         if ok:
             plan.kv = (dest[0][:, :ok * chunk], dest[1][:, :ok * chunk])
-            plan.tokens = ok * chunk
+            plan.start, plan.tokens = first * chunk, (first + ok) * chunk
             self.stats.fetched_chunks += ok
 
     def _decode_into(self, blob: bytes, ids: list[int], namespace: bytes,
-                     dest: tuple[torch.Tensor, torch.Tensor], start: int) -> bool:
-        """Decodes one chunk into dest[:, start:start+len(ids)]; False (and nothing written) when
-        the blob is damaged, of another namespace or shape, or holds other token ids."""
+                     dest: tuple[torch.Tensor, torch.Tensor], start: int, position: int) -> bool:
+        """Decodes one chunk (sequence position `position`) into dest[:, start:start+len(ids)],
+        keys rotated to their positions; False (and nothing written) when the blob is damaged,
+        of another namespace or shape, or holds other token ids."""
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
         try:
             k, v, header = codec.decode(blob, namespace=namespace, dtype=self.dtype, expect_shape=(L, len(ids), H, D))
         except (codec.CorruptBlob, codec.NamespaceMismatch) as err:
-            log.warning("KV blob at token %d rejected (%s); computing from there", start, err)
+            log.warning("KV blob at token %d rejected (%s); computing from there", position, err)
             return False
         if list(header.token_ids) != ids:  # a key collision or a bad writer: never use it
-            log.warning("KV blob at token %d holds other token ids than its key claims; computing from there", start)
+            log.warning("KV blob at token %d holds other token ids than its key claims; computing from there", position)
             return False
-        dest[0][:, start:start + len(ids)].copy_(rotate_keys(k, start, self.rotary))
+        dest[0][:, start:start + len(ids)].copy_(rotate_keys(k, position, self.rotary))
         dest[1][:, start:start + len(ids)].copy_(v)
         return True
 

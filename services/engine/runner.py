@@ -54,9 +54,9 @@ class ModelRunner:
         """Writes imported KV, computes every scheduled token; returns logits where a sequence
         needs its next token."""
         for imp in out.imports:
-            k, v = imp.payload  # [layers, >= end, kv_heads, head_dim], positions from 0
-            write_kv_range(self.kv_caches, imp.seq.block_table, imp.start,
-                           k[:, imp.start:imp.end], v[:, imp.start:imp.end])
+            k, v = imp.payload  # [layers, tokens, kv_heads, head_dim], positions from payload_start
+            a, b = imp.start - imp.payload_start, imp.end - imp.payload_start
+            write_kv_range(self.kv_caches, imp.seq.block_table, imp.start, k[:, a:b], v[:, a:b])
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -59,12 +59,15 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class KvImport:
     """Externally fetched KV the runner writes into `seq`'s blocks before the step's forward:
-    positions [start, end) of `seq.external_kv` (positions below `start` were prefix-cache hits)."""
+    sequence positions [start, end), taken from the payload (which begins at payload_start;
+    positions below `start` were prefix-cache hits)."""
 
     seq: Sequence
     payload: object
     start: int
     end: int
+    payload_start: int = 0
+    """Sequence position of the payload's first token."""
 
 
 @dataclass(frozen=True)
@@ -196,14 +199,18 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             computed_blocks, num_hit = self.block_manager.match_prefix(seq)
-            num_import = max(0, seq.external_tokens - num_hit) if seq.external_kv is not None else 0
+            # Fetched KV extends the local hits only where it is contiguous with them (blocks
+            # evicted since the fetch leave a gap: then compute instead).
+            usable = seq.external_kv is not None and seq.external_start <= num_hit
+            num_import = max(0, seq.external_tokens - num_hit) if usable else 0
             num_new = min(seq.num_tokens - num_hit - num_import, budget)
             if not self.block_manager.allocate_slots(seq, num_import + num_new, computed_blocks):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if num_import:
-                imports.append(KvImport(seq, seq.external_kv, num_hit, num_hit + num_import))
+                imports.append(KvImport(seq, seq.external_kv, num_hit, num_hit + num_import,
+                                        seq.external_start))
             seq.external_kv = None  # imported now, or fully covered by the prefix cache
             seq.num_computed_tokens = num_hit + num_import
             seq.num_cached_tokens = min(num_hit + num_import, seq.num_prompt_tokens)

@@ -62,10 +62,14 @@ class Sequence:
     """Extra prefix-cache namespace (tenant salt): sequences only share KV with equal salts."""
     external_kv: object | None = None
     """Prompt KV fetched from the KV-cache service (opaque here; the runner writes it), covering
-    positions 0..external_tokens-1. Dropped once imported, or if preemption makes it moot."""
+    positions external_start..external_tokens-1. Dropped once imported, or if admission finds
+    it moot."""
+    external_start: int = 0
+    """First position `external_kv` covers: the fetch skips what the engine's own prefix cache
+    held when the request arrived, so it only fits on top of at least that many local hits."""
     external_tokens: int = 0
-    """Tokens `external_kv` covers: whole blocks, always fewer than the prompt (the last prompt
-    token is computed to produce logits)."""
+    """End of what `external_kv` covers: whole blocks, always fewer than the prompt (the last
+    prompt token is computed to produce logits)."""
 
     @property
     def num_prompt_tokens(self) -> int:

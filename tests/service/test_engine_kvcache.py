@@ -165,3 +165,29 @@ async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_addr
         async for _ in eng.generate(prompt, greedy(2), kv_codec="int3"):
             pass
     await close(eng)
+
+
+async def test_a_prefix_the_engine_holds_is_not_fetched_again(bundled_model, kv_address, prompt):
+    eng = engine(bundled_model, kv_address)
+    await run(eng, prompt)
+    assert await flushed(eng) and eng.core.kv.stats.exported_chunks == 3
+    _, final = await run(eng, prompt)  # the same engine: its own prefix cache holds the prompt
+    assert final.usage.cached_prompt_tokens == 96 and eng.core.kv.stats.fetched_chunks == 0
+    longer = prompt + prompt[:40]  # 140 tokens: the local cache covers 96, the service has 3 chunks
+    _, final = await run(eng, longer)
+    assert final.usage.cached_prompt_tokens >= 96 and eng.core.kv.stats.fetched_chunks == 0
+    await close(eng)
+
+
+async def test_only_chunks_past_the_local_prefix_are_fetched(bundled_model, kv_address, prompt):
+    first = engine(bundled_model, kv_address, kv_codec="fp16")
+    cold_tokens, _ = await run(first, prompt)
+    assert await flushed(first)
+    await close(first)
+    second = engine(bundled_model, kv_address, kv_codec="fp16")
+    await run(second, prompt[:40])  # now positions 0..31 (chunk 0) are in the engine itself
+    before = second.core.kv.stats.fetched_chunks
+    tokens, final = await run(second, prompt)
+    assert second.core.kv.stats.fetched_chunks - before == 2  # chunks 1 and 2, after the local hit
+    assert final.usage.cached_prompt_tokens == 96 and tokens == cold_tokens
+    await close(second)

@@ -326,3 +326,25 @@ def test_external_kv_only_fills_in_past_the_local_prefix_cache():
     out = sched.schedule()
     assert out.imports == [] and again.num_computed_tokens == 20  # local hits cover more than the import
     assert plan(out) == [("again", 1)] and again.num_cached_tokens == 20
+
+
+def test_external_kv_starting_past_local_hits_imports_only_when_contiguous():
+    sched = make_scheduler(num_blocks=32, budget=64)
+    prompt = list(range(33))
+    first = make_seq("first", prompt[:9])  # caches blocks 0-1 (positions 0..7) locally
+    sched.add(first)
+    sched.commit(sched.schedule())
+    sched.finish(first, FinishReason.LENGTH)
+    seq = make_seq("b", prompt)
+    seq.external_kv, seq.external_start, seq.external_tokens = "payload", 8, 32  # fetched 8..31
+    sched.add(seq)
+    out = sched.schedule()
+    assert [(i.start, i.end, i.payload_start) for i in out.imports] == [(8, 32, 8)]
+    assert seq.num_computed_tokens == 32 and plan(out) == [("b", 1)]
+
+    gap = make_scheduler(num_blocks=32, budget=64)  # nothing cached locally: positions 0..7 missing
+    seq = make_seq("c", prompt)
+    seq.external_kv, seq.external_start, seq.external_tokens = "payload", 8, 32
+    gap.add(seq)
+    out = gap.schedule()
+    assert out.imports == [] and seq.num_computed_tokens == 0 and plan(out) == [("c", 33)]
