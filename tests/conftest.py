@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from redis_server import redis_server  # noqa: F401 - a fixture for every test directory
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

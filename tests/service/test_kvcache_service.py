@@ -141,3 +141,35 @@ async def test_delete_pin_ttl_and_stats(kv):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await kv.SetTtl(pb.SetTtlRequest(keys=[keys[0]], ttl_s=0.0), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_two_services_share_entries_through_the_redis_tier(tmp_path, redis_server):
+    """Two KV services (two machines' worth) with their own memory and disk tiers and one Redis:
+    what one stores, the other serves from Redis, byte for byte, and keeps in its memory tier."""
+    stubs, servers, channels = [], [], []
+    for name in ("a", "b"):
+        cfg = KvcacheConfig(port=0, data_dir=tmp_path / name, tiers=("memory", "disk", "redis"),
+                            disk_map_bytes=64 * MiB, max_entry_bytes=2 * MiB, redis_url=redis_server.url)
+        servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
+        server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
+                           lambda s, sv=servicer: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(sv, s),
+                           [SERVICE])
+        port = await server.start()
+        channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        stubs.append(kvcache_pb2_grpc.KvcacheServiceStub(channels[-1]))
+        servers.append((server, servicer))
+    try:
+        tokens = list(range(32))
+        key, blob = prefix_keys(tokens, 32, NS)[0], make_blob(tokens)
+        await stubs[0].Put(put_stream(key, blob), timeout=10)
+        found = await stubs[1].Lookup(pb.LookupRequest(keys=[key]), timeout=10)
+        assert list(found.tiers) == [pb.TIER_REDIS]
+        assert (await get_all(stubs[1], [key]))[key] == (blob, pb.TIER_REDIS)
+        found = await stubs[1].Lookup(pb.LookupRequest(keys=[key]), timeout=10)
+        assert list(found.tiers) == [pb.TIER_MEMORY]  # promoted on read
+    finally:
+        for ch in channels:
+            await ch.close()
+        for server, servicer in servers:
+            await server.drain(0.5)
+            servicer.close()

@@ -1,4 +1,6 @@
-"""A real redis-server per test (127.0.0.1, free port, no persistence), skipped when not installed."""
+"""A real redis-server per test (127.0.0.1, free port, no persistence), skipped when not installed.
+
+The `redis_server` fixture is registered in tests/conftest.py."""
 from __future__ import annotations
 
 import shutil
