@@ -197,22 +197,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out.index_copy_(0, meta.decode_tokens, od)
 
     for p in meta.prefills:
-        # Prefill chunks have many queries: repeat the KV heads (HF's repeat_kv order) and let
-        # SDPA run plain causal or with this chunk's precomputed [q, ctx] mask.
         # Contiguous 4-D operands: torch's CPU flash kernel runs ~3x faster on them than on the
         # strided 3-D views (measured: 24 vs 75 ms for a 512x2048 chunk of one layer).
-        qs = q[p.start:p.start + p.q_len].transpose(0, 1).contiguous()[None]  # [1, heads, q, hd]
+        qs = q[p.start:p.start + p.q_len]  # [q, heads, hd]
         if p.blocks is None:
-            ks = k[p.start:p.start + p.q_len]  # [q, kvh, hd]: all keys are new
-            vs = v[p.start:p.start + p.q_len]
-        else:
-            ks = meta.gather_blocks(k_cache, p.blocks, "pk")[: p.ctx_len]  # [c, kvh, hd]
-            vs = meta.gather_blocks(v_cache, p.blocks, "pv")[: p.ctx_len]
+            # All keys are new and the mask is plain causal: repeat the KV heads (HF's repeat_kv
+            # order), so is_causal lines queries up with keys.
+            g = q.shape[1] // kvh
+            ks = k[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, q, hd]
+            vs = v[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1).contiguous()[None], ks, vs,
+                                               is_causal=True, scale=scale)
+            out[p.start:p.start + p.q_len] = o[0].transpose(0, 1)
+            continue
+        # With earlier context, fold the query heads that share a KV head into extra query rows
+        # (as for decodes) instead of repeating the keys/values: bit-identical results, and 3.8x
+        # faster for a short chunk over a long context (16 queries x 4,096 keys: 9.3 -> 2.5 ms
+        # per layer), where copying the repeated keys dominated.
+        ks = meta.gather_blocks(k_cache, p.blocks, "pk")[: p.ctx_len].transpose(0, 1).contiguous()[None]
+        vs = meta.gather_blocks(v_cache, p.blocks, "pv")[: p.ctx_len].transpose(0, 1).contiguous()[None]
+        qf = _fold_groups(qs, kvh).contiguous()[None]  # [1, kvh, g*q, hd], rows group-major
         g = q.shape[1] // kvh
-        ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, c, hd] (contiguous)
-        vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scale)
-        out[p.start:p.start + p.q_len] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qf, ks, vs, attn_mask=p.mask.repeat(g, 1), scale=scale)
+        out[p.start:p.start + p.q_len] = _unfold_groups(o[0], p.q_len)
     return out
 
 
