@@ -69,6 +69,7 @@ class KvPlan:
     start: int = 0  # sequence position of the first token `kv` covers (whole chunks)
     tokens: int = 0  # end position of what `kv` covers (whole blocks)
     spec: codec.CodecSpec | None = None  # codec for this prompt's exports (None = the deployment's)
+    streamed_at: float = 0.0  # perf_counter when the last fetched blob arrived (for the log)
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ class KvConnector:
             found = await stub.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk),
                                       timeout=self.config.timeout_s)
             plan.present = [t != pb.TIER_NONE for t in found.tiers]
+            t_lookup = time.perf_counter()
             first = local_tokens // chunk
             if found.prefix_chunks > first:
                 await self._fetch(stub, plan, prompt, first, found.prefix_chunks)
@@ -193,8 +195,10 @@ class KvConnector:
             self.stats.fetch_failures += 1
             log.warning("KV service unavailable for fetch (%s); computing the prompt", _describe(err))
         if plan.kv is not None:
-            log.info("KV of prompt tokens %d..%d fetched in %.0f ms", plan.start, plan.tokens,
-                     1e3 * (time.perf_counter() - t0))
+            log.info("KV of prompt tokens %d..%d fetched in %.0f ms (lookup %.0f ms, stream %.0f ms, then "
+                     "decoding %.0f ms)", plan.start, plan.tokens, 1e3 * (time.perf_counter() - t0),
+                     1e3 * (t_lookup - t0), 1e3 * (plan.streamed_at - t_lookup),
+                     1e3 * (time.perf_counter() - plan.streamed_at))
         return plan
 
     async def _fetch(self, stub, plan: KvPlan, prompt: list[int], first: int, n: int) -> None:
@@ -228,6 +232,7 @@ class KvConnector:
                     plan.namespace, dest, i * chunk, pos))
                 header = None
         call.cancel()  # no-op when the stream ended
+        plan.streamed_at = time.perf_counter()
         ok = 0
         for i, fut in enumerate(decodes):  # in order: the prefix ends at the first bad chunk
             if await fut and ok == i:
