@@ -26,9 +26,12 @@ async def serve(cfg: KvcacheConfig) -> None:
                       metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port),
         lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s),
         [SERVICE])
+    sweeper = asyncio.ensure_future(servicer.sweep_forever(cfg.sweep_interval_s)) if cfg.sweep_interval_s else None
     try:
         await run_service(server)
     finally:
+        if sweeper is not None:
+            sweeper.cancel()
         servicer.close()
 
 

@@ -32,6 +32,7 @@ class KvcacheConfig:
     max_entry_bytes: int = setting(64 * MiB, "Largest blob one Put may store; larger ones get RESOURCE_EXHAUSTED.", min=1024)
     redis_url: Optional[str] = setting(None, "redis://host:port/db of the shared tier (needed when tiers has 'redis').")
     redis_prefix: str = setting("kvmesh:", "Key prefix in Redis, to share a Redis with other data.")
+    sweep_interval_s: float = setting(60.0, "Seconds between sweeps that remove expired entries; 0 disables (expired entries are still misses).", min=0.0)
     grace_s: float = setting(10.0, "Seconds in-flight calls get to finish on SIGTERM.", min=0.0)
     otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces; unset disables export.")
 

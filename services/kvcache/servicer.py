@@ -57,6 +57,15 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
         self._io.shutdown(wait=True)
         self.store.close()
 
+    async def sweep_forever(self, interval_s: float) -> None:
+        """Removes expired entries every `interval_s` seconds (reads already treat them as misses;
+        this returns their space). Runs until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)  # a schedule, not synchronization
+            removed = await self._run(self.store.sweep_expired)
+            if removed:
+                log.info("removed %d expired entries", removed)
+
     async def _run(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 

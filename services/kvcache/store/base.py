@@ -117,6 +117,11 @@ class Tier(abc.ABC):
     def stats(self) -> TierStats:
         """A snapshot of entries, bytes and counters."""
 
+    def sweep_expired(self) -> int:
+        """Remove expired entries now; returns how many. Tiers whose backend expires entries
+        itself (Redis) keep this default."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Flush pending state and release the backend; the tier is unusable afterwards."""

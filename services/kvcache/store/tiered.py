@@ -125,6 +125,10 @@ class TieredStore:
         results = [self._try(tier, lambda: op(tier), False) for tier in self.tiers]
         return any(results)
 
+    def sweep_expired(self) -> int:
+        """Remove expired entries from every tier now; returns how many (summed)."""
+        return sum(self._try(tier, tier.sweep_expired, 0) for tier in self.tiers)
+
     def stats(self) -> list[TierStats]:
         """Per-tier stats, fastest first, with ``errors`` filled in; an unreachable tier reports
         zeros besides its name and error count."""

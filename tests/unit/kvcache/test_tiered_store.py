@@ -104,3 +104,14 @@ def test_unavailable_tier_degrades_to_misses(tmp_path, clock):
 def test_names_must_be_unique():
     with pytest.raises(ValueError, match="unique"):
         TieredStore([MemoryTier(10), MemoryTier(10)])
+
+
+def test_sweep_removes_expired_entries_from_every_tier(store, clock):
+    memory, disk = store.tiers
+    store.put(key(0), blob(0, 1000), ttl_s=5)
+    store.put(key(1), blob(1, 1000), ttl_s=50)
+    store.put(key(2), blob(2, 1000))
+    clock.advance(10)
+    assert store.sweep_expired() == 2  # key 0 in memory and on disk
+    assert [t.entries for t in store.stats()] == [2, 2]
+    assert store.contains_many([key(0), key(1), key(2)]) == [None, "memory", "memory"]
