@@ -140,3 +140,24 @@ def test_sharded_checkpoint_loads(tiny, tmp_path):
     (tmp_path / shards[0]).unlink()
     with pytest.raises(FileNotFoundError, match="missing"):
         load_model(str(tmp_path))
+
+
+def test_kv_ranges_round_trip_through_scattered_blocks():
+    from kvmesh.model.attention import read_kv, write_kv_range
+    from kvmesh.model.config import ModelConfig
+
+    cfg = ModelConfig(name="t", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
+                      eos_token_ids=(2,))
+    caches = allocate_kv_cache(cfg, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    table = [5, 2, 7, 0]  # positions 0..15 live in these blocks, in this order
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 10, 2, 8, generator=g), torch.randn(2, 10, 2, 8, generator=g)
+    write_kv_range(caches, table, 3, k, v)  # positions 3..12
+    got_k, got_v = read_kv(caches, table, 3, 13)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert torch.equal(caches[1][0][7, 1], k[1, 6])  # position 9 = block table[2] = 7, offset 1
+    assert read_kv(caches, table, 0, 3)[0].abs().sum() == 0  # untouched positions stay zero
+    with pytest.raises(ValueError, match="does not fit"):
+        write_kv_range(caches, table, 0, k[:, :, :1], v[:, :, :1])
