@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import queue
 import threading
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from kvmesh.kv import codec
+from kvmesh.kv import codec, transfer
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
 from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
@@ -42,7 +41,6 @@ from kvmesh.rpc.client import make_channel
 
 log = logging.getLogger(__name__)
 
-PART_BYTES = 1 << 20
 EXPORT_TIMEOUT_S = 60.0
 """Deadline of one export Put: exports are off the request path, so they may wait out a busy service."""
 
@@ -69,7 +67,6 @@ class KvPlan:
     start: int = 0  # sequence position of the first token `kv` covers (whole chunks)
     tokens: int = 0  # end position of what `kv` covers (whole blocks)
     spec: codec.CodecSpec | None = None  # codec for this prompt's exports (None = the deployment's)
-    streamed_at: float = 0.0  # perf_counter when the last fetched blob arrived (for the log)
 
 
 @dataclass(frozen=True)
@@ -107,10 +104,6 @@ def parse_codec(name: str, base: codec.CodecSpec) -> codec.CodecSpec:
 
 def _single_thread_torch() -> None:
     torch.set_num_threads(1)
-
-
-def _checksum(blob: bytes) -> bytes:
-    return hashlib.blake2b(blob, digest_size=16).digest()
 
 
 class KvConnector:
@@ -188,7 +181,7 @@ class KvConnector:
             t_lookup = time.perf_counter()
             first = local_tokens // chunk
             if found.prefix_chunks > first:
-                await self._fetch(stub, plan, prompt, first, found.prefix_chunks)
+                t_streamed = await self._fetch(stub, plan, prompt, first, found.prefix_chunks)
                 # Whole blocks only, and never the last prompt token: it is computed for logits.
                 plan.tokens = min(plan.tokens, (len(prompt) - 1) // self.block_size * self.block_size)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
@@ -197,13 +190,14 @@ class KvConnector:
         if plan.kv is not None:
             log.info("KV of prompt tokens %d..%d fetched in %.0f ms (lookup %.0f ms, stream %.0f ms, then "
                      "decoding %.0f ms)", plan.start, plan.tokens, 1e3 * (time.perf_counter() - t0),
-                     1e3 * (t_lookup - t0), 1e3 * (plan.streamed_at - t_lookup),
-                     1e3 * (time.perf_counter() - plan.streamed_at))
+                     1e3 * (t_lookup - t0), 1e3 * (t_streamed - t_lookup),
+                     1e3 * (time.perf_counter() - t_streamed))
         return plan
 
-    async def _fetch(self, stub, plan: KvPlan, prompt: list[int], first: int, n: int) -> None:
+    async def _fetch(self, stub, plan: KvPlan, prompt: list[int], first: int, n: int) -> float:
         """Streams chunks first..n-1 and decodes each on the codec thread as soon as it has
-        arrived (decode overlaps the transfer), straight into one destination tensor."""
+        arrived (decode overlaps the transfer), straight into one destination tensor. Returns
+        when the stream ended (perf_counter), for the log."""
         chunk, layout = self.config.chunk_tokens, self.layout
         shape = (layout.num_layers, (n - first) * chunk, layout.num_kv_heads, layout.head_dim)
         dest = (torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
@@ -223,7 +217,7 @@ class KvConnector:
             got += len(msg.data)
             if header is not None and got >= header.total_bytes:
                 blob = b"".join(parts)
-                if len(blob) != header.total_bytes or _checksum(blob) != header.checksum:
+                if len(blob) != header.total_bytes or transfer.checksum(blob) != header.checksum:
                     break  # damaged in transit: import what came before it
                 i = len(decodes)
                 pos = (first + i) * chunk
@@ -232,7 +226,7 @@ class KvConnector:
                     plan.namespace, dest, i * chunk, pos))
                 header = None
         call.cancel()  # no-op when the stream ended
-        plan.streamed_at = time.perf_counter()
+        streamed = time.perf_counter()
         ok = 0
         for i, fut in enumerate(decodes):  # in order: the prefix ends at the first bad chunk
             if await fut and ok == i:
@@ -248,6 +242,7 @@ class KvConnector:
             plan.kv = (dest[0][:, :ok * chunk], dest[1][:, :ok * chunk])
             plan.start, plan.tokens = first * chunk, (first + ok) * chunk
             self.stats.fetched_chunks += ok
+        return streamed
 
     def _decode_into(self, blob: bytes, ids: list[int], namespace: bytes,
                      dest: tuple[torch.Tensor, torch.Tensor], start: int, position: int) -> bool:
@@ -289,7 +284,7 @@ class KvConnector:
                     blob = codec.encode(k, job.v[:, sl],
                                         codec.ChunkMeta(job.namespace, tuple(job.token_ids[sl])),
                                         job.spec or self.config.codec)
-                    stub.Put(_put_messages(key, blob), timeout=EXPORT_TIMEOUT_S)
+                    stub.Put(transfer.put_requests(key, blob), timeout=EXPORT_TIMEOUT_S)
                     self.stats.exported_chunks += 1
                 except grpc.RpcError as err:
                     self.stats.export_failures += len(job.keys) - i
@@ -316,13 +311,6 @@ class KvConnector:
         self._codec_pool.shutdown(wait=False)
         if self._aio_channel is not None:
             await self._aio_channel.close()
-
-
-def _put_messages(key: bytes, blob: bytes):
-    yield pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob), checksum=_checksum(blob)))
-    view = memoryview(blob)
-    for start in range(0, len(blob), PART_BYTES):
-        yield pb.PutRequest(data=bytes(view[start:start + PART_BYTES]))
 
 
 def _describe(err: BaseException) -> str:

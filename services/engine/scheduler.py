@@ -96,8 +96,8 @@ class SchedulerOutput:
 #   3. waiting sequences are admitted first-come-first-served: prefix-cache hits count as
 #      computed, so does KV fetched from the KV-cache service beyond them (imported: copied
 #      into the new blocks before the forward, no budget), the rest is computed in chunks of
-#      whatever budget is left. Admission is strict
-#      FCFS (a head that does not fit blocks the queue) and is skipped in a step that preempted.
+#      whatever budget is left. Admission is strict FCFS (a head that does not fit blocks the
+#      queue) and is skipped in a step that preempted.
 # A long prompt therefore never delays decodes: it only uses the budget they leave.
 #
 # Preemption is by recompute. When a running sequence cannot get blocks, the most recently

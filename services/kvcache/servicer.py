@@ -6,13 +6,12 @@ event loop. Errors are kvmesh.errors exceptions; the shared interceptor maps the
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from kvmesh.kv import codec
+from kvmesh.kv import codec, transfer
 from kvmesh.kv.keys import KEY_BYTES
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
@@ -22,16 +21,8 @@ from kvmesh.services.kvcache.store import EntryTooLarge, StoreFull, TieredStore
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PART_BYTES = 1 << 20
-"""Data slice per stream message: far below the 64 MiB message limit, large enough to be cheap."""
-CHECKSUM_BYTES = 16
 
 _TIERS = {"memory": pb.TIER_MEMORY, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
-
-
-def blob_checksum(blob: bytes) -> bytes:
-    """The transfer checksum of Put/Get: blake2b-128 over the whole blob."""
-    return hashlib.blake2b(blob, digest_size=CHECKSUM_BYTES).digest()
 
 
 def _check_keys(keys, what: str) -> list[bytes]:
@@ -109,7 +100,7 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
         blob = b"".join(parts)
         if len(blob) != header.total_bytes:
             raise InvalidArgument(f"Put: received {len(blob)} bytes, header announced {header.total_bytes}")
-        if blob_checksum(blob) != header.checksum:
+        if transfer.checksum(blob) != header.checksum:
             raise InvalidArgument("Put: checksum mismatch (blake2b-128 of the blob); the transfer was damaged, retry")
         try:
             codec.verify(blob)
@@ -149,10 +140,9 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
                 continue
             metrics.BYTES_READ.inc(len(blob))
             yield pb.GetResponse(header=pb.GetEntryHeader(
-                key=key, found=True, total_bytes=len(blob), checksum=blob_checksum(blob), tier=_TIERS[tier]))
-            view = memoryview(blob)
-            for start in range(0, len(blob), PART_BYTES):
-                yield pb.GetResponse(data=bytes(view[start:start + PART_BYTES]))
+                key=key, found=True, total_bytes=len(blob), checksum=transfer.checksum(blob), tier=_TIERS[tier]))
+            for part in transfer.slices(blob):
+                yield pb.GetResponse(data=part)
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         keys = _check_keys(request.keys, "Delete")

@@ -15,7 +15,7 @@ from kvmesh.kv import codec
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
-from kvmesh.services.engine.kv_connector import _put_messages
+from kvmesh.kv.transfer import put_requests
 
 NS = make_namespace("crash-test", KvLayout(4, 2, 64, "float32"))
 CHUNK = 64
@@ -49,7 +49,7 @@ def test_sigkill_during_writes_loses_no_acknowledged_entry(tmp_path):
             for i in range(10_000):
                 key, blob = blob_for(i)
                 try:
-                    stub.Put(_put_messages(key, blob), timeout=10)
+                    stub.Put(put_requests(key, blob), timeout=10)
                 except grpc.RpcError:
                     return  # the service died under this Put: not acknowledged
                 acked.append(i)

@@ -145,10 +145,10 @@ async def fetch(address: str, key: bytes) -> bytes:
 
 
 async def put(address: str, key: bytes, blob: bytes) -> None:
-    from kvmesh.services.engine.kv_connector import _put_messages
+    from kvmesh.kv.transfer import put_requests
 
     async with grpc.aio.insecure_channel(address) as ch:
-        await kvcache_pb2_grpc.KvcacheServiceStub(ch).Put(_put_messages(key, blob), timeout=5)
+        await kvcache_pb2_grpc.KvcacheServiceStub(ch).Put(put_requests(key, blob), timeout=5)
 
 
 async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_address, prompt):

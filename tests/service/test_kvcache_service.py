@@ -12,7 +12,9 @@ from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 from kvmesh.rpc.server import RpcServer, ServerOptions
 from kvmesh.services.kvcache.build import build_store
 from kvmesh.services.kvcache.config import KvcacheConfig
-from kvmesh.services.kvcache.servicer import KvcacheServicer, blob_checksum
+from kvmesh.kv.transfer import checksum as blob_checksum
+from kvmesh.kv.transfer import put_requests
+from kvmesh.services.kvcache.servicer import KvcacheServicer
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
 NS = make_namespace("test-model", KvLayout(2, 2, 8, "float32"))
@@ -27,9 +29,8 @@ def make_blob(tokens: list[int], seed: int = 0, spec: codec.CodecSpec = codec.Co
 
 
 def put_stream(key: bytes, blob: bytes, part: int = 4096, **header):
-    yield pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob), checksum=blob_checksum(blob), **header))
-    for i in range(0, len(blob), part):
-        yield pb.PutRequest(data=blob[i:i + part])
+    """A Put stream in small slices, so that a blob spans several messages."""
+    return put_requests(key, blob, part_bytes=part, **header)
 
 
 @pytest.fixture
