@@ -116,10 +116,8 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
 
     def _get_verified(self, keys: list[bytes]) -> list[tuple[bytes | None, str | None]]:
         """Blobs (with the tier that served them); a blob that fails verification is deleted and missed."""
-        where = self.store.contains_many(keys)
-        blobs = self.store.get_many(keys)
         out: list[tuple[bytes | None, str | None]] = []
-        for key, blob, tier in zip(keys, blobs, where):
+        for key, (blob, tier) in zip(keys, self.store.get_many_with_tier(keys)):
             if blob is not None:
                 try:
                     codec.verify(blob)

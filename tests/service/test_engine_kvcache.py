@@ -8,36 +8,26 @@ import grpc
 import pytest
 
 from engine_utils import greedy
+from kvcache_utils import serving
 from kvmesh.kv import codec
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 from kvmesh.launcher import free_port
 from kvmesh.model.perplexity import reference_text
-from kvmesh.rpc.server import RpcServer, ServerOptions
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.build import build_core
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.kvcache.build import build_store
 from kvmesh.services.kvcache.config import KvcacheConfig
-from kvmesh.services.kvcache.servicer import KvcacheServicer
 
 pytestmark = pytest.mark.slow
-SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
 CHUNK = 32
 
 
 @pytest.fixture
 async def kv_address(tmp_path):
     cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", disk_map_bytes=256 << 20, max_entry_bytes=32 << 20)
-    servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
-    server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
-                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s), [SERVICE])
-    port = await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.drain(0.5)
-        servicer.close()
+    async with serving(cfg) as served:
+        yield served.address
 
 
 def engine(loaded, address: str, **overrides) -> AsyncEngine:

@@ -5,18 +5,14 @@ import grpc
 import pytest
 import torch
 
+from kvcache_utils import serving
 from kvmesh.kv import codec
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
-from kvmesh.kvcache.v1 import kvcache_pb2 as pb
-from kvmesh.kvcache.v1 import kvcache_pb2_grpc
-from kvmesh.rpc.server import RpcServer, ServerOptions
-from kvmesh.services.kvcache.build import build_store
-from kvmesh.services.kvcache.config import KvcacheConfig
 from kvmesh.kv.transfer import checksum as blob_checksum
 from kvmesh.kv.transfer import put_requests
-from kvmesh.services.kvcache.servicer import KvcacheServicer
+from kvmesh.kvcache.v1 import kvcache_pb2 as pb
+from kvmesh.services.kvcache.config import KvcacheConfig
 
-SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
 NS = make_namespace("test-model", KvLayout(2, 2, 8, "float32"))
 MiB = 1 << 20
 
@@ -33,21 +29,21 @@ def put_stream(key: bytes, blob: bytes, part: int = 4096, **header):
     return put_requests(key, blob, part_bytes=part, **header)
 
 
+def config(tmp_path, **overrides) -> KvcacheConfig:
+    base = dict(port=0, data_dir=tmp_path / "lmdb", memory_bytes=4 * MiB, disk_map_bytes=64 * MiB,
+                max_entry_bytes=2 * MiB)
+    return KvcacheConfig(**{**base, **overrides})
+
+
 @pytest.fixture
-async def kv(tmp_path):
-    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", memory_bytes=4 * MiB, disk_map_bytes=64 * MiB,
-                        max_entry_bytes=2 * MiB)
-    servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
-    server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
-                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s), [SERVICE])
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield kvcache_pb2_grpc.KvcacheServiceStub(channel)
-    finally:
-        await channel.close()
-        await server.drain(0.5)
-        servicer.close()
+async def served(tmp_path):
+    async with serving(config(tmp_path)) as s:
+        yield s
+
+
+@pytest.fixture
+def kv(served):
+    return served.stub
 
 
 async def get_all(stub, keys: list[bytes]) -> dict[bytes, tuple[bytes | None, int]]:
@@ -147,19 +143,12 @@ async def test_delete_pin_ttl_and_stats(kv):
 async def test_two_services_share_entries_through_the_redis_tier(tmp_path, redis_server):
     """Two KV services (two machines' worth) with their own memory and disk tiers and one Redis:
     what one stores, the other serves from Redis, byte for byte, and keeps in its memory tier."""
-    stubs, servers, channels = [], [], []
-    for name in ("a", "b"):
-        cfg = KvcacheConfig(port=0, data_dir=tmp_path / name, tiers=("memory", "disk", "redis"),
-                            disk_map_bytes=64 * MiB, max_entry_bytes=2 * MiB, redis_url=redis_server.url)
-        servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
-        server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
-                           lambda s, sv=servicer: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(sv, s),
-                           [SERVICE])
-        port = await server.start()
-        channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-        stubs.append(kvcache_pb2_grpc.KvcacheServiceStub(channels[-1]))
-        servers.append((server, servicer))
-    try:
+    def shared(name: str) -> KvcacheConfig:
+        return config(tmp_path, data_dir=tmp_path / name, tiers=("memory", "disk", "redis"),
+                      redis_url=redis_server.url)
+
+    async with serving(shared("a")) as a, serving(shared("b")) as b:
+        stubs = [a.stub, b.stub]
         tokens = list(range(32))
         key, blob = prefix_keys(tokens, 32, NS)[0], make_blob(tokens)
         await stubs[0].Put(put_stream(key, blob), timeout=10)
@@ -168,9 +157,16 @@ async def test_two_services_share_entries_through_the_redis_tier(tmp_path, redis
         assert (await get_all(stubs[1], [key]))[key] == (blob, pb.TIER_REDIS)
         found = await stubs[1].Lookup(pb.LookupRequest(keys=[key]), timeout=10)
         assert list(found.tiers) == [pb.TIER_MEMORY]  # promoted on read
-    finally:
-        for ch in channels:
-            await ch.close()
-        for server, servicer in servers:
-            await server.drain(0.5)
-            servicer.close()
+
+
+async def test_a_stored_blob_that_went_bad_is_a_miss_and_is_deleted(served):
+    tokens = list(range(16))
+    key, blob = prefix_keys(tokens, 16, NS)[0], make_blob(tokens)
+    await served.stub.Put(put_stream(key, blob), timeout=10)
+    damaged = blob[:40] + bytes([blob[40] ^ 0x10]) + blob[41:]
+    for tier in served.servicer.store.tiers:  # bit rot under the service, in every tier
+        tier.put(key, damaged)
+    assert (await get_all(served.stub, [key]))[key] == (None, pb.TIER_NONE)
+    found = await served.stub.Lookup(pb.LookupRequest(keys=[key]), timeout=10)
+    assert list(found.tiers) == [pb.TIER_NONE]
+    assert (await served.stub.Stats(pb.StatsRequest(), timeout=10)).corrupt_entries == 1

@@ -52,7 +52,11 @@ class TieredStore:
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         """Blobs for ``keys`` (None = miss everywhere), promoting hits into faster tiers."""
-        out: list[bytes | None] = [None] * len(keys)
+        return [blob for blob, _ in self.get_many_with_tier(keys)]
+
+    def get_many_with_tier(self, keys: list[bytes]) -> list[tuple[bytes | None, str | None]]:
+        """Like ``get_many``, with the name of the tier that served each hit (None for a miss)."""
+        out: list[tuple[bytes | None, str | None]] = [(None, None)] * len(keys)
         missing = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
             if not missing:
@@ -61,7 +65,7 @@ class TieredStore:
             blobs = self._try(tier, lambda: tier.get_many(wanted), [None] * len(wanted))
             found = [(i, b) for i, b in zip(missing, blobs) if b is not None]
             for i, blob in found:
-                out[i] = blob
+                out[i] = (blob, tier.name)
             if found and level > 0:
                 self._promote(tier, self.tiers[:level], [(keys[i], b) for i, b in found])
             missing = [i for i, b in zip(missing, blobs) if b is None]

@@ -1,0 +1,42 @@
+"""Test helper: a real KV-cache gRPC server on port 0, in this process."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from kvmesh.kvcache.v1 import kvcache_pb2 as pb
+from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.services.kvcache.build import build_store
+from kvmesh.services.kvcache.config import KvcacheConfig
+from kvmesh.services.kvcache.servicer import KvcacheServicer
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
+
+
+@dataclass
+class Serving:
+    address: str
+    stub: kvcache_pb2_grpc.KvcacheServiceStub
+    servicer: KvcacheServicer
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg: KvcacheConfig) -> AsyncIterator[Serving]:
+    """Starts a KV-cache server for `cfg` (its port is ignored: port 0), yields it with a client
+    stub, then drains it and closes its store."""
+    servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
+    server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
+                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s), [SERVICE])
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield Serving(address, kvcache_pb2_grpc.KvcacheServiceStub(channel), servicer)
+    finally:
+        await channel.close()
+        await server.drain(0.5)
+        servicer.close()
