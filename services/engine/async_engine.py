@@ -7,15 +7,17 @@ OpenMP keeps a single team of workers. A second team (say, the model loaded on t
 steps run on this one) puts more OpenMP threads than cores in the process, and libgomp then
 throttles its spin-wait to ~100 iterations: workers sleep between the ~500 small ops of a
 decode step and each op pays a futex wake-up. Measured on 2 cores: fp32 decode 17 tok/s with
-two teams, 31 tok/s with one. The two sides talk through a locked
-inbox (adds and aborts, applied between steps, so the core stays single-threaded) and per-request
-asyncio queues filled with `call_soon_threadsafe`. When a consumer goes away (client cancel,
+two teams, 31 tok/s with one.
+
+The two sides talk through a locked inbox (adds and aborts, applied between steps, so the core
+stays single-threaded) and per-request asyncio queues filled with `call_soon_threadsafe`. When a consumer goes away (client cancel,
 deadline), its generator's `finally` posts an abort, which frees the request's blocks at the next
 step boundary.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -46,16 +48,12 @@ class AsyncEngine:
         self._draining = False
         self._idle: asyncio.Event | None = None  # set when draining and the last stream ends
         self.on_step = None  # optional callback(core, outputs, seconds) for metrics
-        self.core: EngineCore
-        built: dict[str, object] = {}
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(build, built, ready),
+        built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built),
                                         name="engine-step-loop", daemon=True)
         self._thread.start()
-        ready.wait()
-        if "error" in built:
-            self._thread.join()
-            raise built["error"]  # type: ignore[misc]
+        self.core: EngineCore  # set by the step-loop thread before it signals `built`
+        built.result()  # re-raises what `build` raised
 
     # ---- asyncio side ------------------------------------------------------------------------
 
@@ -171,15 +169,14 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(out, out.request_id)
 
-    def _run(self, build: Callable[[], EngineCore], built: dict[str, object],
-             ready: threading.Event) -> None:
+    def _run(self, build: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
         try:
-            self.core = build()
+            core = build()
         except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor
-            built["error"] = exc
+            built.set_exception(exc)
             return
-        finally:
-            ready.set()
+        self.core = core
+        built.set_result(core)
         while True:
             with self._cond:
                 while not self._inbox and not self.core.has_work and not self._stopping:
