@@ -1,8 +1,10 @@
 """Quality and speed of the weight formats (fp32, bf16, int8, int4) on the bundled model.
 
 For each format: perplexity on the first 8192 tokens of ``kvmesh.model.reference_text()``
-(quick: 2048) with window 1024 / stride 512, its change against fp32, and single-sequence greedy
-decode speed through the paged forward path (the engine's path: AttentionMetadata + KV cache).
+(quick: 2048) with window 1024 / stride 512, its change against fp32, single-sequence greedy
+decode speed through the paged forward path (the engine's path: AttentionMetadata + KV cache),
+and the share of greedy tokens equal to fp32's on chat prompts through that same path (where the
+packed int8/int4 kernels round activations to bf16, which perplexity on long windows does not see).
 
     python loadtest/quant_bench.py [--quick] [--device cpu]
 """
@@ -22,9 +24,15 @@ FORMATS = (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "float32"), ("int
 BLOCK_SIZE = 16
 
 
+CHAT_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
+                "2 + 2 =", "Why is the sky blue?", "Write a haiku about the sea.",
+                "Translate 'good morning' to French.", "What is a KV cache?", "Name a prime number above 100.")
+
+
 @torch.inference_mode()
-def decode_tokens_per_s(lm, prompt: list[int], new_tokens: int, warmup: int = 4) -> float:
-    """Greedy-decode one sequence through ``forward``; tokens/s over the decode steps only."""
+def greedy_decode(lm, prompt: list[int], new_tokens: int, warmup: int = 0) -> tuple[list[int], float]:
+    """Greedy-decode one sequence through ``forward``: (the new tokens, seconds of the decode steps
+    after the first ``warmup`` of them)."""
     model, dev = lm.model, lm.device
     total = len(prompt) + new_tokens + warmup
     nblocks = -(-total // BLOCK_SIZE)
@@ -37,14 +45,30 @@ def decode_tokens_per_s(lm, prompt: list[int], new_tokens: int, warmup: int = 4)
         hidden = model(torch.tensor(ids, device=dev), pos, kv, meta)
         return int(model.compute_logits(hidden[-1:]).argmax())  # .item() syncs the device
 
-    tok = step(prompt, 0)
+    out = [step(prompt, 0)]
     n = len(prompt)
     for _ in range(warmup):
-        tok, n = step([tok], n), n + 1
+        out.append(step([out[-1]], n))
+        n += 1
     t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        tok, n = step([tok], n), n + 1
-    return new_tokens / (time.perf_counter() - t0)
+    for _ in range(new_tokens - 1):
+        out.append(step([out[-1]], n))
+        n += 1
+    return out[warmup:warmup + new_tokens], time.perf_counter() - t0
+
+
+def decode_tokens_per_s(lm, prompt: list[int], new_tokens: int, warmup: int = 4) -> float:
+    """Tokens/s over the decode steps of one greedy sequence (after ``warmup`` steps)."""
+    _, seconds = greedy_decode(lm, prompt, new_tokens + 1, warmup)
+    return new_tokens / seconds
+
+
+def chat_greedy(lm, new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of CHAT_PROMPTS (the model's chat template), one sequence at a time."""
+    tok = lm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+               for p in CHAT_PROMPTS]
+    return [greedy_decode(lm, p, new_tokens)[0] for p in prompts]
 
 
 def run(quick: bool, device: str = "cpu") -> list[dict]:
@@ -53,6 +77,7 @@ def run(quick: bool, device: str = "cpu") -> list[dict]:
     decode_steps = 32 if quick else 128
     rows: list[dict] = []
     base_ppl = None
+    base_greedy = None
     ids = None
     for weights, dtype in FORMATS:
         lm = load_model("bundled", dtype=dtype, device=device, weights=weights)
@@ -61,10 +86,15 @@ def run(quick: bool, device: str = "cpu") -> list[dict]:
         ppl = perplexity(lm.model, ids, window=1024, stride=512)
         base_ppl = base_ppl or ppl
         tps = decode_tokens_per_s(lm, ids[:64], decode_steps)
+        greedy = chat_greedy(lm, 16 if quick else 64)
+        base_greedy = base_greedy or greedy
+        agree = (sum(a == b for g, b0 in zip(greedy, base_greedy) for a, b in zip(g, b0))
+                 / sum(len(b0) for b0 in base_greedy))
         rows += [
             {"weights": weights, "metric": "ppl", "value": ppl, "unit": f"ppl@{len(ids)}tok"},
             {"weights": weights, "metric": "ppl_delta_pct", "value": 100 * (ppl - base_ppl) / base_ppl, "unit": "%"},
             {"weights": weights, "metric": "decode_tok_s", "value": tps, "unit": "tok/s"},
+            {"weights": weights, "metric": "greedy_agree", "value": agree, "unit": "share"},
         ]
         del lm
         gc.collect()
