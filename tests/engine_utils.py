@@ -41,3 +41,121 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], params: dict[str, S
                 r["final"] = out
     assert all(r["final"] is not None for r in results.values()), "engine stopped with unfinished requests"
     return results
+
+
+# ---- a tiny random-weight model with a byte-level tokenizer (no downloads, loads in ms) ---------
+
+TINY_EOS = 256
+"""The tiny model's end-of-sequence id (ids 0..255 are the 256 bytes)."""
+
+
+def make_tiny_checkpoint(folder, *, num_layers: int = 3, seed: int = 0, init: float = 0.2):
+    """Writes a random-weight Llama checkpoint (HF layout: config.json, model.safetensors,
+    tokenizer.json) into `folder` and returns it as a Path.
+
+    Vocabulary: the 256 bytes (byte-level BPE without merges, so text round-trips) plus an
+    end-of-sequence token. Weights ~ N(0, init) (0.2 gives peaky logits: greedy argmax is never
+    a near-tie) and norm weights ~ 1 + N(0, 0.3), so a norm bug cannot hide behind ones.
+    """
+    import json
+    from pathlib import Path
+
+    import tokenizers
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    from kvmesh.model.config import ModelConfig
+    from kvmesh.model.tokenizer import Tokenizer, _byte_alphabet
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig(
+        name="tiny-llama", vocab_size=TINY_EOS + 1, hidden_size=64, intermediate_size=128,
+        num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_ids=(TINY_EOS,))
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_config()))
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * init
+
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    state = {"model.embed_tokens.weight": rand(cfg.vocab_size, h),
+             "model.norm.weight": 1 + 0.3 * torch.randn(h, generator=gen),
+             "lm_head.weight": rand(cfg.vocab_size, h)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": rand(cfg.num_heads * cfg.head_dim, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, cfg.num_heads * cfg.head_dim),
+            p + "mlp.gate_proj.weight": rand(cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": rand(cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": rand(h, cfg.intermediate_size),
+            p + "input_layernorm.weight": 1 + 0.3 * torch.randn(h, generator=gen),
+            p + "post_attention_layernorm.weight": 1 + 0.3 * torch.randn(h, generator=gen),
+        })
+    save_file(state, str(folder / "model.safetensors"))
+
+    alphabet = _byte_alphabet()
+    backend = tokenizers.Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|eos|>", special=True)])
+    Tokenizer(backend, bos_token_id=None, eos_token_ids=[TINY_EOS], chat_template=None).save_hf(folder)
+    return folder
+
+
+def load_tiny(folder, **kw):
+    """`kvmesh.model.loader.load_model` of a tiny checkpoint, fp32 on CPU."""
+    from kvmesh.model.loader import load_model
+
+    return load_model(str(folder), dtype="float32", device="cpu", progress=False, **kw)
+
+
+class ServedEngine:
+    """An EngineCore behind a real gRPC server on port 0 (see `serve_engine`)."""
+
+    def __init__(self, engine, stub, address: str) -> None:
+        self.engine, self.stub, self.address = engine, stub, address
+
+    async def collect(self, request, timeout: float = 60):
+        """Every message of one Generate stream."""
+        return [m async for m in self.stub.Generate(request, timeout=timeout)]
+
+
+def serve_engine(core, *, max_waiting: int = 64):
+    """Async context manager: `core` on its step-loop thread, served on 127.0.0.1:<free port>
+    with the shared interceptors; yields a ServedEngine and tears everything down after."""
+    import contextlib
+
+    import grpc
+
+    from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+    from kvmesh.rpc.server import RpcServer, ServerOptions
+    from kvmesh.services.engine.async_engine import AsyncEngine
+    from kvmesh.services.engine.build import model_info
+    from kvmesh.services.engine.servicer import EngineServicer
+
+    service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+    @contextlib.asynccontextmanager
+    async def served():
+        engine = AsyncEngine(lambda: core, max_waiting=max_waiting)
+        servicer = EngineServicer(engine, model_info(core, EngineConfig()))
+        server = RpcServer("engine", ServerOptions(host="127.0.0.1", port=0, grace_s=1.0),
+                           lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s), [service])
+        port = await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield ServedEngine(engine, engine_pb2_grpc.EngineServiceStub(channel), f"127.0.0.1:{port}")
+        finally:
+            await channel.close()
+            await server.drain(0.5)
+            engine.shutdown()
+
+    return served()

@@ -61,6 +61,22 @@ class RequestOutput:
     e2e_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a router needs to place a request on this engine: reusable prefix and load."""
+
+    cached_tokens: int
+    """Leading prompt tokens an admission now would take from the prefix cache: whole blocks,
+    never the prompt's last token (it is always computed, for its logits)."""
+    running: int
+    waiting: int
+    pending_prefill_tokens: int
+    """Scheduler.num_pending_prefill_tokens: prompt (and recompute) tokens not yet computed."""
+    free_blocks: int
+    """Blocks no sequence owns (cached-but-free blocks included: they are reusable)."""
+    num_blocks: int
+
+
 @dataclass
 class _State:
     """Per-request bookkeeping the scheduler does not need: text, stop strings, randomness."""
@@ -149,6 +165,18 @@ class EngineCore:
         """
         probe = Sequence(request_id="", prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
         return self.block_manager.match_prefix(probe)[1]
+
+    def probe(self, prompt_token_ids: list[int], cache_salt: bytes) -> ProbeResult:
+        """The prefix-cache hit a prompt would get now, and the engine's load.
+
+        Read-only: ref counts, the free queue's LRU order and hit statistics are untouched. Call
+        it on the thread that steps the core (it walks the scheduler's queues)."""
+        sched, bm = self.scheduler, self.block_manager
+        return ProbeResult(
+            cached_tokens=self.cached_prefix_tokens(prompt_token_ids, cache_salt),
+            running=sched.num_running, waiting=sched.num_waiting,
+            pending_prefill_tokens=sched.num_pending_prefill_tokens,
+            free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
 
     def request_ids(self) -> list[str]:
         """Ids of every queued or running request."""

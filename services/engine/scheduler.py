@@ -144,6 +144,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prefill (and recompute) tokens still to compute over running and waiting sequences,
+        before any prefix-cache hit a waiting sequence may get at admission."""
+        return (sum(s.num_pending_prefill_tokens for s in self.running)
+                + sum(s.num_pending_prefill_tokens for s in self.waiting))
+
     def get(self, request_id: str) -> Sequence | None:
         """The waiting or running sequence with this id."""
         return self._by_id.get(request_id)

@@ -94,6 +94,13 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Known tokens still to compute before the sequence decodes: the rest of its prompt, or
+        after a preemption everything but its last generated token (recomputed like a prompt)."""
+        decode_token = 1 if self.output_token_ids else 0
+        return max(0, self.num_tokens - decode_token - self.num_computed_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
