@@ -28,7 +28,7 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], params: dict[str, S
         p = params[rid] if isinstance(params, dict) else params
         core.validate(ids, p)
         core.add_request(EngineRequest(rid, list(ids), p, time.monotonic()))
-        results[rid] = {"tokens": [], "text": "", "final": None, "logprobs": []}
+        results[rid] = {"tokens": [], "text": "", "final": None, "logprobs": [], "prompt_logprobs": []}
     for _ in range(max_steps):
         if not core.has_work:
             break
@@ -37,6 +37,7 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], params: dict[str, S
             r["tokens"] += out.token_ids
             r["text"] += out.text
             r["logprobs"] += out.logprobs
+            r["prompt_logprobs"] += out.prompt_logprobs
             if out.finished:
                 r["final"] = out
     assert all(r["final"] is not None for r in results.values()), "engine stopped with unfinished requests"

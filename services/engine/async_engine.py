@@ -88,8 +88,9 @@ class AsyncEngine:
         try:
             plan = None
             if self.core.kv is not None:
-                local = self.core.cached_prefix_tokens(prompt_token_ids, cache_salt)
-                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt, spec, local)
+                fetch = params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
+                local = self.core.cached_prefix_tokens(prompt_token_ids, cache_salt) if fetch else 0
+                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt, spec, local, fetch=fetch)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -16,8 +16,8 @@ from kvmesh.model.loader import LoadedModel
 from kvmesh.model.tokenizer import IncrementalDetokenizer
 from kvmesh.services.engine.block_manager import BlockManager
 from kvmesh.services.engine.kv_connector import ExportJob, KvConnector, KvPlan
-from kvmesh.services.engine.runner import ModelRunner
-from kvmesh.services.engine.sampler import Sampler, make_generator
+from kvmesh.services.engine.runner import ModelRunner, PromptLogprobsChunk
+from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generator
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.services.engine.sequence import Sequence
@@ -53,6 +53,9 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    """With SamplingParams.prompt_logprobs, on the request's first output only: one TokenLogprobs
+    per prompt token from the second on."""
     finished: bool = False
     finish_reason: Optional[str] = None   # stop | length | abort | stop_string
     stop_reason: str = ""
@@ -87,6 +90,7 @@ class _State:
     generator: Optional[torch.Generator]
     first_token_time: Optional[float] = None
     kv_plan: Optional[KvPlan] = None  # set until the prompt's new chunks are exported
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # collected chunk by chunk
 
 
 class EngineCore:
@@ -134,7 +138,8 @@ class EngineCore:
     def add_request(self, req: EngineRequest) -> None:
         """Queues a validated request (ResourceExhausted when the queue is full)."""
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
-                       params=req.params, arrival_time=req.arrival_time, cache_salt=req.cache_salt)
+                       params=req.params, arrival_time=req.arrival_time, cache_salt=req.cache_salt,
+                       needs_prompt_logprobs=req.params.prompt_logprobs is not None)
         plan = req.kv_plan if self.kv is not None else None
         if plan is not None and plan.kv is not None:
             seq.external_kv, seq.external_start, seq.external_tokens = plan.kv, plan.start, plan.tokens
@@ -197,6 +202,8 @@ class EngineCore:
         self.scheduler.commit(out)
         if self.kv is not None:
             self._export_new_chunks(out)
+        for chunk in result.prompt_logprobs:
+            self._collect_prompt_logprobs(self._states[chunk.seq.request_id], chunk)
         if not result.seqs:
             return []
         states = [self._states[s.request_id] for s in result.seqs]
@@ -211,6 +218,16 @@ class EngineCore:
                 state.first_token_time = now
             outputs.append(self._emit(state, token, sampled.logprobs[i]))
         return outputs
+
+    @staticmethod
+    def _collect_prompt_logprobs(state: _State, chunk: PromptLogprobsChunk) -> None:
+        """Appends a chunk's prompt logprobs (a recompute after preemption starts over at 0)."""
+        collected = state.prompt_logprobs
+        if chunk.start > len(collected):
+            raise RuntimeError(f"prompt logprobs of {state.seq.request_id!r} skip positions "
+                               f"{len(collected)}..{chunk.start - 1}: part of its prompt was not computed")
+        del collected[chunk.start:]
+        collected.extend(chunk.entries)
 
     def _export_new_chunks(self, out) -> None:
         """Hands the KV of a just-computed prompt's missing full chunks to the exporter (a copy:
@@ -238,6 +255,9 @@ class EngineCore:
         emit, hit = state.matcher.feed(text_piece)
         out = RequestOutput(request_id=seq.request_id, token_ids=[token], text=emit,
                             logprobs=[logprob] if logprob is not None else [])
+        if seq.needs_prompt_logprobs:  # the first token: the prompt is computed, deliver them once
+            out.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, []
+            seq.needs_prompt_logprobs = False
         if hit is not None:
             return self._finish(state, out, "stop_string", hit)
         if reason is not None:
@@ -256,6 +276,7 @@ class EngineCore:
         self._states.pop(state.seq.request_id, None)
         final = self._final(state, reason, stop_reason)
         final.token_ids, final.text, final.logprobs = out.token_ids, out.text, out.logprobs
+        final.prompt_logprobs = out.prompt_logprobs
         return final
 
     def _final(self, state: _State, reason: str, stop_reason: str) -> RequestOutput:

@@ -159,12 +159,14 @@ class KvConnector:
     # ---- fetch (asyncio side) ------------------------------------------------------------------
 
     async def prepare(self, prompt: list[int], salt: bytes, spec: codec.CodecSpec | None = None,
-                      local_tokens: int = 0) -> KvPlan | None:
+                      local_tokens: int = 0, *, fetch: bool = True) -> KvPlan | None:
         """Looks up and fetches the prompt's cached prefix; None when it has no full chunk.
 
         `spec` is the codec this prompt's new chunks will be stored with (None: the deployment's);
         `local_tokens` how much of the prompt the engine's own prefix cache holds: whole chunks
-        of it are not fetched again (a chat's next turn on the same replica fetches nothing)."""
+        of it are not fetched again (a chat's next turn on the same replica fetches nothing).
+        `fetch` False only looks up which chunks the service lacks (they are exported once
+        computed): for a request that computes its whole prompt anyway."""
         chunk = self.config.chunk_tokens
         if len(prompt) < chunk:
             return None
@@ -180,7 +182,7 @@ class KvConnector:
             plan.present = [t != pb.TIER_NONE for t in found.tiers]
             t_lookup = time.perf_counter()
             first = local_tokens // chunk
-            if found.prefix_chunks > first:
+            if fetch and found.prefix_chunks > first:
                 t_streamed = await self._fetch(stub, plan, prompt, first, found.prefix_chunks)
                 # Whole blocks only, and never the last prompt token: it is computed for logits.
                 plan.tokens = min(plan.tokens, (len(prompt) - 1) // self.block_size * self.block_size)

@@ -5,14 +5,29 @@ in a `SchedulerOutput`; everything it returns is plain logits for the sequences 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block, read_kv, write_kv_range
 from kvmesh.model.loader import LoadedModel
+from kvmesh.services.engine.sampler import TokenLogprobs, token_logprobs
 from kvmesh.services.engine.scheduler import SchedulerOutput
 from kvmesh.services.engine.sequence import Sequence
+
+
+PROMPT_LOGITS_ROWS = 256
+"""Prompt positions whose full-vocabulary logits are computed at once (bounds that buffer)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """Logprobs of the prompt tokens this step's chunk of `seq` predicts: entry j is prompt token
+    start+1+j, predicted from position start+j."""
+
+    seq: Sequence
+    start: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass(frozen=True)
@@ -21,6 +36,8 @@ class StepResult:
 
     seqs: list[Sequence]     # sequences that get a new token this step, in batch order
     logits: torch.Tensor     # [len(seqs), vocab] float32, on CPU
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    """For sequences collecting prompt logprobs (Sequence.needs_prompt_logprobs)."""
 
 
 def blocks_for_budget(loaded: LoadedModel, block_size: int, budget_bytes: int) -> int:
@@ -66,10 +83,16 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, start, flat row of start, rows
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
+            # Position p's logits predict token p+1; the last prompt position's predict the first
+            # generated token (sampled below), so prompt logprobs use positions start..P-2.
+            num_prompt_rows = min(end, seq.num_prompt_tokens - 1) - start
+            if seq.needs_prompt_logprobs and num_prompt_rows > 0:
+                prompt_rows.append((seq, start, len(input_ids), num_prompt_rows))
             tokens = seq.all_token_ids
             table = seq.block_table
             input_ids.extend(tokens[start:end])
@@ -94,8 +117,23 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches, attn)
+        chunks = [self._prompt_logprobs(hidden, *r) for r in prompt_rows]
         if not sample_rows:
-            return StepResult([], torch.empty(0, self.loaded.config.vocab_size))
+            return StepResult([], torch.empty(0, self.loaded.config.vocab_size), chunks)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return StepResult(sample_seqs, logits.float().cpu())
+        return StepResult(sample_seqs, logits.float().cpu(), chunks)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, start: int, flat: int,
+                         n: int) -> PromptLogprobsChunk:
+        """Full-vocabulary logits of positions start..start+n-1 (hidden rows flat..flat+n-1 of
+        hidden [T, hidden]) turned into logprobs of the prompt tokens they predict, on the device
+        and in slices, so only the chosen and top-n values leave it."""
+        top_n = seq.params.prompt_logprobs or 0
+        targets = seq.prompt_token_ids[start + 1:start + 1 + n]
+        entries: list[TokenLogprobs] = []
+        for a in range(0, n, PROMPT_LOGITS_ROWS):
+            b = min(n, a + PROMPT_LOGITS_ROWS)
+            logits = self.model.compute_logits(hidden[flat + a:flat + b])  # [b-a, vocab] float32
+            entries += token_logprobs(logits, targets[a:b], [top_n] * (b - a))
+        return PromptLogprobsChunk(seq, start, entries)

@@ -28,6 +28,23 @@ class SamplerOutput:
     """None for rows whose request did not ask for logprobs."""
 
 
+def token_logprobs(logits: torch.Tensor, chosen: list[int], top_n: list[int]) -> list[TokenLogprobs]:
+    """Per row of logits [N, vocab]: the log_softmax logprob of token chosen[i] and the top_n[i]
+    most likely (token id, logprob), most likely first (ties by token id order of topk)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(chosen, dtype=torch.long, device=logits.device)  # [N]
+    picked = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+    k = min(max(top_n, default=0), logprobs.shape[-1])
+    top_vals: list[list[float]] = [[] for _ in chosen]
+    top_ids: list[list[int]] = [[] for _ in chosen]
+    if k:
+        vals, idx = logprobs.topk(k, dim=-1)  # [N, k], most likely first
+        top_vals, top_ids = vals.tolist(), idx.tolist()
+    return [TokenLogprobs(token_id=chosen[i], logprob=picked[i],
+                          top=list(zip(top_ids[i][:top_n[i]], top_vals[i][:top_n[i]])))
+            for i in range(len(chosen))]
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside its row's top-k, then outside its row's top-p nucleus.
 
@@ -119,15 +136,8 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
             return out
-        device = logits.device
-        logprobs = torch.log_softmax(logits[torch.tensor(lp_rows, device=device)], dim=-1)  # [L, V]
-        chosen_ids = torch.tensor([ids[i] for i in lp_rows], device=device)  # [L]
-        chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
-        max_n = min(max(params[i].logprobs for i in lp_rows), logprobs.shape[-1])
-        top_vals, top_ids = logprobs.topk(max_n, dim=-1)  # [L, max_n], most likely first
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(lp_rows):
-            n = params[i].logprobs
-            top = list(zip(top_ids[j][:n], top_vals[j][:n]))
-            out[i] = TokenLogprobs(token_id=ids[i], logprob=chosen[j], top=top)
+        rows = torch.tensor(lp_rows, device=logits.device)
+        entries = token_logprobs(logits[rows], [ids[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
+        for i, entry in zip(lp_rows, entries):
+            out[i] = entry
         return out

@@ -40,6 +40,9 @@ class SamplingParams:
     """Keep generating past end-of-sequence tokens (benchmarks)."""
     logprobs: int | None = None
     """None: no log-probabilities. n: the chosen token's logprob plus the top-n alternatives."""
+    prompt_logprobs: int | None = None
+    """None: none. n: each prompt token's logprob (from the second on) plus the top-n
+    alternatives at its position. The prompt is then computed in full (no cached KV reused)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -75,12 +78,13 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed <= MAX_SEED:
                 raise InvalidArgument(f"seed must be in [0, 2^64 - 1], got {self.seed}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidArgument(
-                    f"logprobs must be in 0..{MAX_LOGPROBS} (top alternatives per token), got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidArgument(
+                        f"{name} must be in 0..{MAX_LOGPROBS} (top alternatives per token), got {value}")
         self._validate_stops(vocab_size)
 
     def _validate_stops(self, vocab_size: int) -> None:

@@ -96,7 +96,8 @@ class SchedulerOutput:
 #   3. waiting sequences are admitted first-come-first-served: prefix-cache hits count as
 #      computed, so does KV fetched from the KV-cache service beyond them (imported: copied
 #      into the new blocks before the forward, no budget), the rest is computed in chunks of
-#      whatever budget is left. Admission is strict FCFS (a head that does not fit blocks the
+#      whatever budget is left (a request collecting prompt logprobs takes neither: it
+#      computes its whole prompt). Admission is strict FCFS (a head that does not fit blocks the
 #      queue) and is skipped in a step that preempted.
 # A long prompt therefore never delays decodes: it only uses the budget they leave.
 #
@@ -205,10 +206,14 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            computed_blocks, num_hit = self.block_manager.match_prefix(seq)
+            if seq.needs_prompt_logprobs:  # every prompt position's logits are needed
+                computed_blocks, num_hit = [], 0
+            else:
+                computed_blocks, num_hit = self.block_manager.match_prefix(seq)
             # Fetched KV extends the local hits only where it is contiguous with them (blocks
             # evicted since the fetch leave a gap: then compute instead).
-            usable = seq.external_kv is not None and seq.external_start <= num_hit
+            usable = (seq.external_kv is not None and seq.external_start <= num_hit
+                      and not seq.needs_prompt_logprobs)
             num_import = max(0, seq.external_tokens - num_hit) if usable else 0
             num_new = min(seq.num_tokens - num_hit - num_import, budget)
             if not self.block_manager.allocate_slots(seq, num_import + num_new, computed_blocks):

@@ -60,6 +60,10 @@ class Sequence:
     finish_reason: str | None = None
     cache_salt: bytes = b""
     """Extra prefix-cache namespace (tenant salt): sequences only share KV with equal salts."""
+    needs_prompt_logprobs: bool = False
+    """Set while the request's prompt logprobs are being collected: the scheduler then computes
+    the whole prompt (no prefix-cache hits, no imported KV) and the runner returns the logits
+    of every prompt position. Cleared once they are delivered with the first token."""
     external_kv: object | None = None
     """Prompt KV fetched from the KV-cache service (opaque here; the runner writes it), covering
     positions external_start..external_tokens-1. Dropped once imported, or if admission finds

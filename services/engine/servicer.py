@@ -14,6 +14,7 @@ from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import RequestOutput
+from kvmesh.services.engine.sampler import TokenLogprobs
 from kvmesh.services.engine.sampling import SamplingParams
 
 _FINISH = {
@@ -47,10 +48,20 @@ def sampling_from_proto(sp: engine_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in sp.stop_token_ids),
         ignore_eos=bool(sp.ignore_eos),
         logprobs=int(sp.logprobs) if sp.HasField("logprobs") else None,
+        prompt_logprobs=int(sp.prompt_logprobs) if sp.HasField("prompt_logprobs") else None,
     )
     if sp.HasField("max_tokens"):
         kwargs["max_tokens"] = int(sp.max_tokens)
     return SamplingParams(**kwargs)
+
+
+def _logprobs_to_proto(lp: TokenLogprobs, tokenizer) -> engine_pb2.TokenLogprobs:
+    def entry(token_id: int, logprob: float) -> common_pb2.TokenLogprob:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, text=text)
+
+    return engine_pb2.TokenLogprobs(chosen=entry(lp.token_id, lp.logprob),
+                                    top=[entry(t, v) for t, v in lp.top])
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -81,13 +92,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:
         msg = engine_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids,
                                           text=out.text)
-        for lp in out.logprobs:
-            msg.logprobs.append(engine_pb2.TokenLogprobs(
-                chosen=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                               text=tokenizer.decode([lp.token_id], skip_special_tokens=False)),
-                top=[common_pb2.TokenLogprob(token_id=t, logprob=v,
-                                             text=tokenizer.decode([t], skip_special_tokens=False))
-                     for t, v in lp.top]))
+        msg.logprobs.extend(_logprobs_to_proto(lp, tokenizer) for lp in out.logprobs)
+        msg.prompt_logprobs.extend(_logprobs_to_proto(lp, tokenizer) for lp in out.prompt_logprobs)
         if out.finished:
             u = out.usage
             msg.final.CopyFrom(engine_pb2.Final(

@@ -78,6 +78,7 @@ async def test_generate_streams_deltas_then_one_final(harness):
     (_text_req("hi", top_p=0.0), "top_p"),
     (_text_req("hi", max_tokens=9000), "context"),
     (_text_req("hi", logprobs=99), "logprobs"),
+    (_text_req("hi", prompt_logprobs=21), "prompt_logprobs"),
     (engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[10**6])), "vocab"),
 ])
 async def test_bad_input_is_invalid_argument_with_a_fix(harness, req, fragment):
