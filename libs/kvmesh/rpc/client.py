@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -122,18 +122,19 @@ async def _traced_stream(call: Any, span: Span) -> AsyncIterator[Any]:
 
 
 def make_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 default_timeout_s: float = DEFAULT_TIMEOUT_S) -> grpc.aio.Channel:
+                 default_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """An insecure asyncio channel to `target` ("host:port") with kvmesh's client interceptor.
 
     Every unary and server-streaming call gets a deadline (`default_timeout_s` unless the call
     passes `timeout=`, capped by the incoming call's deadline) and, except health and
-    reflection, a CLIENT span whose context travels in the call's metadata. Close it with
-    `await channel.close()`.
+    reflection, a CLIENT span whose context travels in the call's metadata. `options` are extra
+    grpc channel arguments (e.g. reconnect back-off). Close it with `await channel.close()`.
     """
     return grpc.aio.insecure_channel(
         target,
         options=[("grpc.max_send_message_length", max_message_bytes),
-                 ("grpc.max_receive_message_length", max_message_bytes)],
+                 ("grpc.max_receive_message_length", max_message_bytes), *options],
         # grpc files each interceptor under one call type only, hence one object per type.
         interceptors=[_UnaryUnaryInterceptor(default_timeout_s),
                       _UnaryStreamInterceptor(default_timeout_s)])

@@ -1,0 +1,370 @@
+"""The router's gRPC API against fake engines (real gRPC servers on port 0, in this process)."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+
+from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from kvmesh.router.v1 import router_pb2
+from kvmesh.telemetry import setup_telemetry
+from router_utils import (FakeOpenAI, Script, dead_address, fake_engines, route_request,
+                          router_config, serving_openai, serving_router, text_of)
+
+PROMPT = list(range(1, 161))  # 160 tokens
+
+
+def metric(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def tiers(*engines, name="t") -> str:
+    return f"{name}=" + ",".join(e.address for e in engines)
+
+
+def replica_of(messages) -> str:
+    return messages[0].route.replica
+
+
+# --- placement ------------------------------------------------------------------------------
+
+async def test_kv_aware_picks_the_replica_with_the_longest_cached_prefix():
+    async with fake_engines(Script(cached_tokens=0), Script(cached_tokens=128),
+                            Script(cached_tokens=64)) as (e0, e1, e2):
+        async with serving_router(router_config(tiers=tiers(e0, e1, e2))) as r:
+            req = route_request(PROMPT)
+            req.request.cache_salt = "tenant-salt"
+            msgs = await r.collect(req)
+    assert replica_of(msgs) == e1.address and len(e1.generate_calls) == 1
+    assert not e0.generate_calls and not e2.generate_calls
+    route = msgs[0].route
+    assert (route.tier, route.policy, route.expected_cached_tokens) == ("t", "kv_aware", 128)
+    assert [p.cache_salt for p in e0.probe_calls + e1.probe_calls + e2.probe_calls] == \
+        ["tenant-salt"] * 3
+    assert list(e0.probe_calls[0].token_ids.ids) == PROMPT
+    assert text_of(msgs) == " e1101 e1102 e1103"
+    assert msgs[-1].response.final.usage.cached_prompt_tokens == 128
+    assert sum(m.HasField("route") for m in msgs) == 1
+
+
+async def test_kv_aware_avoids_a_warm_replica_whose_load_outweighs_its_cache():
+    # warm: (160 - 128) + 4 x 64 = 288; cold: 160 + 0 = 160
+    async with fake_engines(Script(cached_tokens=128, running=3, waiting=1),
+                            Script(cached_tokens=0)) as (warm, cold):
+        async with serving_router(router_config(tiers=tiers(warm, cold), load_weight=64)) as r:
+            assert replica_of(await r.collect(route_request(PROMPT))) == cold.address
+        async with serving_router(router_config(tiers=tiers(warm, cold), load_weight=16)) as r:
+            # warm: 32 + 64 = 96 < 160
+            assert replica_of(await r.collect(route_request(PROMPT))) == warm.address
+
+
+async def test_round_robin_alternates_without_probing():
+    async with fake_engines(Script(), Script()) as (e0, e1):
+        async with serving_router(router_config(tiers=tiers(e0, e1), policy="round_robin")) as r:
+            replicas = [replica_of(await r.collect(route_request())) for _ in range(4)]
+    assert replicas == [e0.address, e1.address, e0.address, e1.address]
+    assert not e0.probe_calls and not e1.probe_calls
+    assert len(e0.generate_calls) == len(e1.generate_calls) == 2
+
+
+async def test_a_down_replica_is_skipped_and_the_request_succeeds():
+    dead = dead_address()
+    async with fake_engines(Script()) as (live,):
+        cfg = router_config(tiers=f"t={dead},{live.address}", policy="round_robin")
+        before = metric("kvmesh_router_requests_total", tier="t", replica=dead,
+                        policy="round_robin", code="UNAVAILABLE")
+        async with serving_router(cfg) as r:
+            first = await r.collect(route_request())      # the cursor points at the dead one
+            second = await r.collect(route_request())     # now marked down: not tried again
+    assert (replica_of(first), first[0].route.policy) == (live.address, "failover")
+    assert (replica_of(second), second[0].route.policy) == (live.address, "round_robin")
+    assert text_of(first) == " e0101 e0102 e0103"
+    assert metric("kvmesh_router_requests_total", tier="t", replica=dead, policy="round_robin",
+                  code="UNAVAILABLE") == before + 1
+
+
+async def test_kv_aware_marks_a_replica_whose_probe_is_refused_down():
+    dead = dead_address()
+    async with fake_engines(Script(), Script(cached_tokens=16)) as (e0, e1):
+        async with serving_router(router_config(tiers=f"t={dead},{e0.address},{e1.address}")) as r:
+            msgs = await r.collect(route_request(PROMPT))
+            pool = r.servicer.router.pools["t"]
+            assert pool.state.is_down(dead) and not pool.state.is_down(e0.address)
+    assert (replica_of(msgs), msgs[0].route.policy) == (e1.address, "kv_aware")
+
+
+async def test_a_slow_probe_leaves_the_replica_up_but_ranked_last():
+    async with fake_engines(Script(cached_tokens=160, probe_delay_s=2.0), Script()) as (slow, e1):
+        cfg = router_config(tiers=tiers(slow, e1), probe_timeout_s=0.05)
+        async with serving_router(cfg) as r:
+            msgs = await r.collect(route_request(PROMPT))
+            assert not r.servicer.router.pools["t"].state.is_down(slow.address)
+    assert replica_of(msgs) == e1.address
+
+
+async def test_generate_unavailable_before_the_first_token_fails_over():
+    async with fake_engines(Script(cached_tokens=100,
+                                   generate_error=(grpc.StatusCode.UNAVAILABLE, "gone")),
+                            Script()) as (bad, good):
+        async with serving_router(router_config(tiers=tiers(bad, good))) as r:
+            msgs = await r.collect(route_request(PROMPT))
+            assert r.servicer.router.pools["t"].state.is_down(bad.address)
+    assert len(bad.generate_calls) == 1
+    assert (replica_of(msgs), msgs[0].route.policy) == (good.address, "failover")
+
+
+async def test_an_overloaded_replica_is_passed_over_but_not_marked_down():
+    async with fake_engines(Script(generate_error=(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")),
+                            Script()) as (full, e1):
+        async with serving_router(router_config(tiers=tiers(full, e1), policy="round_robin")) as r:
+            msgs = await r.collect(route_request())
+            assert not r.servicer.router.pools["t"].state.is_down(full.address)
+    assert replica_of(msgs) == e1.address
+
+
+async def test_a_draining_replica_is_avoided():
+    async with fake_engines(Script(hold_after=1), Script()) as (draining, e1):
+        channel = grpc.aio.insecure_channel(draining.address)
+        held = engine_pb2_grpc.EngineServiceStub(channel).Generate(
+            engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[1])), timeout=10)
+        await held.read()
+        drain = asyncio.ensure_future(draining.server.drain(10.0))  # keeps serving `held`
+        await asyncio.wait_for(draining.holding.wait(), 5)
+        try:
+            for policy in ("round_robin", "kv_aware"):
+                cfg = router_config(tiers=tiers(draining, e1), policy=policy)
+                async with serving_router(cfg) as r:
+                    msgs = await r.collect(route_request(PROMPT))
+                    assert r.servicer.router.pools["t"].state.is_down(draining.address)
+                assert replica_of(msgs) == e1.address
+            assert len(draining.generate_calls) == 1  # only the held one got through
+        finally:
+            draining.release.set()
+            await drain
+            await channel.close()
+
+
+async def test_an_error_after_the_first_token_goes_to_the_caller():
+    async with fake_engines(Script(fail_after=1), Script()) as (flaky, e1):
+        async with serving_router(router_config(tiers=tiers(flaky, e1), policy="round_robin")) as r:
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for m in r.stub.Generate(route_request(), timeout=10):
+                    got.append(m)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "crashed" in err.value.details()
+    assert text_of(got) == " e0101" and not e1.generate_calls
+
+
+async def test_no_healthy_replica_is_unavailable():
+    async with serving_router(router_config(tiers=f"t={dead_address()},{dead_address()}")) as r:
+        for _ in range(2):  # refused connections, then both marked down
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.collect(route_request(PROMPT))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no healthy replica in tier t" in err.value.details()
+
+
+# --- requests -------------------------------------------------------------------------------
+
+async def test_unknown_model_is_not_found_and_names_the_known_ones():
+    async with fake_engines(Script()) as (e0,):
+        cfg = router_config(tiers=f"cheap={e0.address};strong={e0.address}",
+                            cascades="auto=cheap,strong")
+        async with serving_router(cfg) as r:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.collect(route_request(model="gpt-9"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'gpt-9'" in err.value.details() and "cheap, strong, auto" in err.value.details()
+
+
+async def test_request_ids_are_kept_or_assigned():
+    async with fake_engines(Script()) as (e0,):
+        async with serving_router(router_config(tiers=tiers(e0))) as r:
+            req = route_request()
+            req.request.request_id = "client-id"
+            await r.collect(req)
+            msgs = await r.collect(route_request())
+    assert e0.generate_calls[0].request_id == "client-id"
+    assert e0.generate_calls[1].request_id.startswith("rt-")
+    assert msgs[-1].response.request_id == e0.generate_calls[1].request_id
+
+
+async def test_client_cancel_cancels_the_engine_call():
+    async with fake_engines(Script(hold_after=1)) as (e0,):
+        async with serving_router(router_config(tiers=tiers(e0))) as r:
+            call = r.stub.Generate(route_request(), timeout=10)
+            first = await call.read()
+            assert first.response.token_ids == [101]
+            call.cancel()
+            await asyncio.wait_for(e0.cancelled_event.wait(), 5)
+    assert e0.cancelled == [e0.generate_calls[0].request_id]
+
+
+async def test_the_router_call_deadline_cancels_the_engine_call():
+    async with fake_engines(Script(hold_after=1)) as (e0,):
+        async with serving_router(router_config(tiers=tiers(e0))) as r:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.collect(route_request(), timeout=0.5)
+            await asyncio.wait_for(e0.cancelled_event.wait(), 5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# --- cascade --------------------------------------------------------------------------------
+
+def cascade_config(cheap, strong, **overrides):
+    return router_config(tiers=f"cheap={cheap.address}@0.2;strong={strong.address}@1",
+                         cascades="auto=cheap,strong", **overrides)
+
+
+async def test_cascade_keeps_a_confident_cheap_answer():
+    before = metric("kvmesh_router_cascade_decisions_total", route="auto", tier="cheap",
+                    reason="confident")
+    async with fake_engines(Script(logprobs=[-0.1, -0.2, -0.3]), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            msgs = await r.collect(route_request())
+    assert not strong.generate_calls
+    assert cheap.generate_calls[0].sampling.logprobs == 0  # forced on: chosen token only
+    assert text_of(msgs) == " e0101 e0102 e0103"
+    assert all(not m.response.logprobs for m in msgs)        # the client did not ask
+    route = msgs[0].route
+    assert (route.tier, route.replica) == ("cheap", cheap.address)
+    [step] = route.cascade
+    assert (step.tier, step.signal, step.accepted, step.reason, step.completion_tokens) == \
+        ("cheap", "mean_logprob", True, "confident", 3)
+    assert step.confidence == pytest.approx(-0.2) and step.threshold == -0.5
+    assert msgs[-1].response.final.usage.completion_tokens == 3
+    assert metric("kvmesh_router_cascade_decisions_total", route="auto", tier="cheap",
+                  reason="confident") == before + 1
+
+
+async def test_cascade_escalates_a_low_confidence_answer_and_streams_only_the_kept_one():
+    async with fake_engines(Script(logprobs=[-2.0, -1.0, -3.0]),
+                            Script(tokens=[7, 8])) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            msgs = await r.collect(route_request())
+    assert text_of(msgs) == " e17 e18"
+    assert not strong.generate_calls[0].sampling.HasField("logprobs")  # last tier: as asked
+    route = msgs[0].route
+    assert (route.tier, route.replica) == ("strong", strong.address)
+    assert [(s.tier, s.accepted, s.reason) for s in route.cascade] == \
+        [("cheap", False, "low_confidence"), ("strong", True, "last_tier")]
+    assert route.cascade[0].confidence == pytest.approx(-2.0)
+    assert msgs[-1].response.final.usage.completion_tokens == 2  # the kept tier's usage
+
+
+async def test_cascade_keeps_the_logprobs_the_client_asked_for():
+    async with fake_engines(Script(top=[[-0.01, -6, -7, -8, -9]] * 3), Script()) as (cheap, strong):
+        cfg = cascade_config(cheap, strong, cascade_signal="neg_entropy", cascade_threshold=-0.5)
+        async with serving_router(cfg) as r:
+            msgs = await r.collect(route_request(logprobs=1))
+    assert cheap.generate_calls[0].sampling.logprobs == 5       # top-5 for the entropy
+    assert msgs[0].route.cascade[0].reason == "confident" and not strong.generate_calls
+    lps = [lp for m in msgs for lp in m.response.logprobs]
+    assert len(lps) == 3 and all(len(lp.top) == 1 for lp in lps)
+    assert lps[0].chosen.logprob == pytest.approx(-0.1)
+
+
+async def test_a_failing_cheap_tier_escalates():
+    async with fake_engines(Script(fail_after=2), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            msgs = await r.collect(route_request())
+    assert text_of(msgs) == " e1101 e1102 e1103"
+    assert [(s.tier, s.reason, s.completion_tokens) for s in msgs[0].route.cascade] == \
+        [("cheap", "tier_failed", 2), ("strong", "last_tier", 0)]
+
+
+async def test_difficulty_routing_sends_long_prompts_to_the_last_tier():
+    async with fake_engines(Script(), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong,
+                                                 difficulty_prompt_tokens=100)) as r:
+            long = await r.collect(route_request(PROMPT))
+            short = await r.collect(route_request(PROMPT[:99]))
+    assert [(s.tier, s.accepted, s.reason) for s in long[0].route.cascade] == \
+        [("cheap", False, "difficulty"), ("strong", True, "last_tier")]
+    assert long[0].route.tier == "strong" and short[0].route.tier == "cheap"
+    assert len(cheap.generate_calls) == 1 and len(strong.generate_calls) == 1
+
+
+async def test_cancel_while_the_cheap_tier_is_held_cancels_it():
+    async with fake_engines(Script(hold_after=2), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            call = r.stub.Generate(route_request(), timeout=10)
+            reader = asyncio.ensure_future(call.read())
+            await asyncio.wait_for(cheap.holding.wait(), 5)
+            call.cancel()
+            await asyncio.wait_for(cheap.cancelled_event.wait(), 5)
+            reader.cancel()
+    assert not strong.generate_calls
+
+
+async def test_a_named_tier_bypasses_the_cascade():
+    async with fake_engines(Script(logprobs=[-9, -9, -9]), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            msgs = await r.collect(route_request(model="cheap"))
+    assert msgs[0].route.tier == "cheap" and not msgs[0].route.cascade
+    assert not strong.generate_calls
+
+
+# --- models, OpenAI replicas, telemetry ------------------------------------------------------
+
+async def test_list_models_cards_for_tiers_and_cascades_cached():
+    async with fake_engines(Script(model="small", max_model_len=2048),
+                            Script(model="big", max_model_len=8192)) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            first = (await r.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models
+            again = (await r.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models
+    assert [(m.id, m.root, m.max_model_len, m.kind, list(m.tiers)) for m in first] == [
+        ("cheap", "small", 2048, "tier", ["cheap"]),
+        ("strong", "big", 8192, "tier", ["strong"]),
+        ("auto", "small", 2048, "cascade", ["cheap", "strong"])]
+    assert list(again) == list(first) and cheap.info_calls == strong.info_calls == 1
+
+
+async def test_openai_replicas_serve_a_tier_and_a_cascade_step():
+    async with serving_openai(FakeOpenAI()) as oai, fake_engines(Script()) as (strong,):
+        cfg = router_config(tiers=f"cheap={oai.url}#{oai.model}@0.1;strong={strong.address}",
+                            cascades="auto=cheap,strong")
+        async with serving_router(cfg) as r:
+            req = route_request(max_tokens=3)
+            req.prompt_text = "Say hello"
+            msgs = await r.collect(req)
+            models = (await r.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models
+    assert text_of(msgs) == "Hello, world" and not strong.generate_calls, msgs[0].route
+    assert msgs[0].route.replica == f"{oai.url}#{oai.model}"
+    assert msgs[0].route.cascade[0].reason == "confident"
+    assert oai.bodies[0]["prompt"] == "Say hello" and oai.bodies[0]["logprobs"] == 0
+    assert oai.bodies[0]["max_tokens"] == 3 and oai.bodies[0]["model"] == "fake-oai"
+    assert msgs[-1].response.final.usage.completion_tokens == 3
+    assert (models[0].root, models[0].max_model_len, models[2].max_model_len) == \
+        ("fake-oai-root", 4096, 2048)
+
+
+async def test_route_decisions_are_span_attributes():
+    spans = InMemorySpanExporter()
+    setup_telemetry("kvmesh-router-test", span_exporter=spans)
+    async with fake_engines(Script(logprobs=[-3.0] * 3), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:
+            await r.collect(route_request())
+    [server] = [s for s in spans.get_finished_spans()
+                if s.name == "/kvmesh.router.v1.RouterService/Generate"]
+    attrs = server.attributes
+    assert (attrs["kvmesh.route.tier"], attrs["kvmesh.route.replica"]) == ("strong", strong.address)
+    assert attrs["kvmesh.cascade.escalated"] is True
+    assert attrs["kvmesh.cascade.reason"] == "last_tier"
+    assert tuple(attrs["kvmesh.cascade.reasons"]) == ("low_confidence", "last_tier")
+    assert [e.attributes["kvmesh.cascade.reason"] for e in server.events] == \
+        ["low_confidence", "last_tier"]
+    engine_calls = [s for s in spans.get_finished_spans()
+                    if s.name == "/kvmesh.engine.v1.EngineService/Generate"]
+    assert {s.context.trace_id for s in engine_calls} == {server.context.trace_id}
+
+
+def test_the_router_process_never_imports_torch():
+    code = ("import sys, kvmesh.services.router.__main__; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
