@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 
@@ -11,9 +12,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import REGISTRY
 
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from kvmesh.router.v1 import router_pb2
+from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.rpc.client import wait_for_ready
 from kvmesh.telemetry import setup_telemetry
-from router_utils import (FakeOpenAI, Script, dead_address, fake_engines, route_request,
+from router_utils import (ROUTER_SERVICE, FakeOpenAI, Script, dead_address, fake_engines, route_request,
                           router_config, serving_openai, serving_router, text_of)
 
 PROMPT = list(range(1, 161))  # 160 tokens
@@ -368,3 +370,64 @@ def test_the_router_process_never_imports_torch():
     code = ("import sys, kvmesh.services.router.__main__; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+async def test_the_router_process_serves_and_drains_on_sigterm():
+    async with fake_engines(Script()) as (e0,):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh.services.router", "--port", "0",
+            "--tiers", f"t={e0.address}", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            assert line.startswith("kvmesh-router listening on 127.0.0.1:"), line
+            channel = grpc.aio.insecure_channel(line.split()[-1])
+            await wait_for_ready(channel, timeout=10, service=ROUTER_SERVICE)
+            msgs = [m async for m in router_pb2_grpc.RouterServiceStub(channel).Generate(
+                route_request(), timeout=10)]
+            await channel.close()
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert text_of(msgs) == " e0101 e0102 e0103" and msgs[0].route.replica == e0.address
+
+
+# --- the real engine servicer (a tiny random-weight model) ----------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from engine_utils import load_tiny, make_tiny_checkpoint
+
+    return load_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+async def test_real_engines_kv_aware_placement_and_a_cascade(tiny):
+    from engine_utils import make_core, serve_engine
+
+    prompt = [(7 * i + 1) % 256 for i in range(100)]
+    cores = [make_core(tiny, num_blocks=64, block_size=16, max_num_batched_tokens=64)
+             for _ in range(2)]
+    async with serve_engine(cores[0]) as e0, serve_engine(cores[1]) as e1:
+        warm = engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=prompt),
+                                          sampling=engine_pb2.SamplingParams(max_tokens=1))
+        await e1.collect(warm)                                # e1 now holds 96 prompt tokens
+        cfg = router_config(tiers=f"t={e0.address},{e1.address};cheap={e0.address}@0.1;"
+                                  f"strong={e1.address}", cascades="auto=cheap,strong",
+                            default_model="t", cascade_signal="neg_entropy")
+        async with serving_router(cfg) as r:
+            placed = await r.collect(route_request(prompt, max_tokens=4, ignore_eos=True))
+            kept = await r.collect(route_request(prompt[:20], model="auto", max_tokens=4,
+                                                 ignore_eos=True, logprobs=2))
+    route = placed[0].route
+    assert (route.replica, route.policy, route.expected_cached_tokens) == (e1.address,
+                                                                          "kv_aware", 96)
+    assert placed[-1].response.final.usage.cached_prompt_tokens == 96
+    steps = kept[0].route.cascade
+    assert steps[0].tier == "cheap" and steps[0].signal == "neg_entropy"
+    assert steps[0].reason in ("confident", "low_confidence")
+    lps = [lp for m in kept for lp in m.response.logprobs]
+    assert len(lps) == 4 and all(len(lp.top) == 2 for lp in lps)  # as asked, not the forced 5
+    assert kept[-1].response.final.usage.completion_tokens == 4
