@@ -60,6 +60,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.address = ""
         self.server: RpcServer | None = None
         self.generate_calls: list[engine_pb2.GenerateRequest] = []
+        self.time_remaining: list[float | None] = []  # each Generate call's deadline, in s
         self.probe_calls: list[engine_pb2.ProbeRequest] = []
         self.info_calls = 0
         self.cancelled: list[str] = []          # request ids whose stream was cancelled
@@ -81,6 +82,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     async def Generate(self, request, context):
         self.generate_calls.append(request)
+        self.time_remaining.append(context.time_remaining())
         s, rid = self.script, request.request_id
         if s.generate_error is not None:
             await context.abort(*s.generate_error)

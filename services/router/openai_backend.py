@@ -18,6 +18,7 @@ import httpx
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
+from kvmesh.rpc.client import call_timeout
 from kvmesh.services.router.backends import BackendError, ModelInfo
 from kvmesh.services.router.placement import Load
 from kvmesh.services.router.topology import Replica
@@ -92,6 +93,7 @@ class OpenAIBackend:
                              "an OpenAI-compatible endpoint needs the prompt as text; send "
                              "RouteRequest.prompt_text")
         body = completion_body(request, self.replica.model, prompt)
+        timeout = call_timeout(timeout)  # capped by the deadline of the call being served
         rid = request.request_id
         finish, usage, chunks = common_pb2.FINISH_REASON_UNSPECIFIED, None, 0
         # NOTE: the deadline is checked between lines rather than with asyncio.timeout, whose
@@ -142,7 +144,8 @@ class OpenAIBackend:
     async def model_info(self, timeout: float) -> ModelInfo:
         try:
             response = await self._client.get(f"{self.replica.address}/models",
-                                               headers=self._headers, timeout=timeout)
+                                               headers=self._headers,
+                                               timeout=call_timeout(timeout))
         except httpx.HTTPError as e:
             raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}") from None
         if response.status_code != 200:

@@ -15,12 +15,13 @@ the tokens it saves outweigh the extra queue on that replica. Equal scores are b
 round-robin (the candidate list is rotated by a per-tier cursor before a stable sort), so a
 burst of cold requests spreads instead of piling onto the first replica.
 
-NOTE (down replicas): a replica whose probe or connection fails is marked down for the back-off
-period: it is neither probed nor tried until then, after which it is a normal candidate again
-(one more failure puts it back). No probe answer at all (every probe failed, or the prompt is
-text so there is nothing to probe with) falls back to least_loaded over this router's own
-in-flight counts; replicas that cannot be probed (OpenAI-compatible ones) rank after the probed
-ones, by in-flight count.
+NOTE (down replicas): a replica that answers a probe or a call UNAVAILABLE (refused connection,
+draining, stopped) is marked down for the back-off period: it is neither probed nor tried until
+then, after which it is a normal candidate again (one more failure puts it back). No probe
+answer at all (every probe failed or was late, or the prompt is text so there is nothing to
+probe with) falls back to least_loaded over this router's own in-flight counts; replicas without
+an answer (late, or OpenAI-compatible ones that cannot be probed) rank after the probed ones, by
+in-flight count.
 """
 from __future__ import annotations
 

@@ -216,6 +216,15 @@ async def test_the_router_call_deadline_cancels_the_engine_call():
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+async def test_engine_deadlines_shrink_to_the_router_call_s():
+    async with fake_engines(Script()) as (e0,):
+        async with serving_router(router_config(tiers=tiers(e0), generate_timeout_s=60)) as r:
+            await r.collect(route_request(), timeout=3)
+            await r.collect(route_request(), timeout=None)
+    assert 0 < e0.time_remaining[0] <= 3
+    assert 3 < e0.time_remaining[1] <= 60
+
+
 # --- cascade --------------------------------------------------------------------------------
 
 def cascade_config(cheap, strong, **overrides):
