@@ -221,8 +221,8 @@ async def test_engine_deadlines_shrink_to_the_router_call_s():
         async with serving_router(router_config(tiers=tiers(e0), generate_timeout_s=60)) as r:
             await r.collect(route_request(), timeout=3)
             await r.collect(route_request(), timeout=None)
-    assert 0 < e0.time_remaining[0] <= 3
-    assert 3 < e0.time_remaining[1] <= 60
+    assert 0 < e0.time_remaining[0] < 3.2      # grpc-timeout travels rounded up a little
+    assert 50 < e0.time_remaining[1] < 60.2
 
 
 # --- cascade --------------------------------------------------------------------------------
