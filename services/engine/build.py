@@ -10,7 +10,8 @@ from kvmesh.engine.v1 import engine_pb2
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import KvLayout
 from kvmesh.kv.rope import STORED_KEYS
-from kvmesh.model.loader import LoadedModel, load_model
+from kvmesh.config import ConfigError
+from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import EngineCore
@@ -29,9 +30,11 @@ def set_threads(threads: int) -> int:
 
 
 def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
-    """Loads the model (unless given) and builds a ready EngineCore sized by `cfg`."""
+    """Loads the model (unless given), cuts it to `cfg.num_layers` and builds a ready EngineCore
+    sized by `cfg`."""
     if loaded is None:
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weight_format)
+    loaded = serve_layers(loaded, cfg)
     num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size)
     max_len = cfg.max_model_len or loaded.config.max_position_embeddings
@@ -44,13 +47,32 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
                       kv=build_kv_connector(cfg, loaded))
 
 
+def serve_layers(loaded: LoadedModel, cfg: EngineConfig) -> LoadedModel:
+    """The model cut after `cfg.num_layers` decoder layers (0: all of them); ConfigError when the
+    model has fewer."""
+    if cfg.num_layers == 0:
+        return loaded
+    have = loaded.config.num_layers
+    if cfg.num_layers > have:
+        raise ConfigError(f"--num-layers {cfg.num_layers} exceeds the {have} decoder layers of model "
+                          f"{loaded.source!r}; use 1..{have}, or 0 for all of them (KVMESH_ENGINE_NUM_LAYERS)")
+    log.info("serving the first %d of %d decoder layers (early exit)", cfg.num_layers,
+             loaded.source_num_layers or have)
+    return truncate_layers(loaded, cfg.num_layers)
+
+
+def kv_layout(loaded: LoadedModel) -> KvLayout:
+    """What one token's KV looks like for this model: part of every KV-service namespace."""
+    c = loaded.config
+    return KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."),
+                    rope=STORED_KEYS)
+
+
 def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | None:
     """The KV-cache service link when `cfg.kvcache_address` is set."""
     if not cfg.kvcache_address:
         return None
-    c = loaded.config
-    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."),
-                      rope=STORED_KEYS)
+    layout = kv_layout(loaded)
     spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s),
                        model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size,

@@ -101,10 +101,10 @@ class EngineCore:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.runner = runner
-        # Prefix-cache hashes are namespaced by model identity and KV layout, so a changed model
-        # or dtype can never match stale blocks.
+        # Prefix-cache hashes are namespaced by model identity (weights, format, dtype, layer cut)
+        # and KV layout, so a changed or truncated model can never match stale blocks.
         c = loaded.config
-        namespace = (f"{loaded.weights_digest}|{loaded.dtype}|L{c.num_layers}|H{c.num_kv_heads}"
+        namespace = (f"{loaded.identity}|{loaded.dtype}|L{c.num_layers}|H{c.num_kv_heads}"
                      f"|D{c.head_dim}|B{runner.block_size}").encode()
         self.block_manager = BlockManager(
             runner.num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching,

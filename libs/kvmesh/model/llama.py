@@ -13,6 +13,8 @@ activation dtype, SDPA with scale head_dim**-0.5), which is what the parity test
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -212,6 +214,22 @@ class LlamaForCausalLM(nn.Module):
                 if src.shape != param.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(param.shape)}")
                 param.copy_(src)
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """This model cut after its first `num_layers` decoder layers (early exit: their output
+        goes through the final norm and lm_head). Every kept module is shared, not copied: the
+        result costs no weight memory next to this model, and this model stays usable."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in 1..{self.config.num_layers}, got {num_layers}")
+        config = dataclasses.replace(self.config, num_layers=num_layers)
+        with torch.device("meta"):  # a shell: every module with weights is replaced below
+            cut = LlamaForCausalLM(config)
+        cut.model.embed_tokens = self.model.embed_tokens
+        cut.model.layers = nn.ModuleList(list(self.model.layers)[:num_layers])
+        cut.model.norm = self.model.norm
+        cut.lm_head = self.lm_head  # tied or not, as in this model
+        cut.rotary = self.rotary
+        return cut.train(self.training)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache,
                 attn: AttentionMetadata) -> torch.Tensor:

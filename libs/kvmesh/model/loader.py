@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import importlib.util
@@ -39,6 +40,9 @@ class LoadedModel:
     dtype: torch.dtype  # activations, KV cache, embeddings and norms
     device: torch.device
     weights: str  # "fp32" | "bf16" | "int8" | "int4": how the Linear weights are held
+    source_num_layers: int | None = None
+    """Decoder layers of the checkpoint when the model serves only the first config.num_layers
+    of them (see `truncate_layers`); None when it serves all."""
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -47,8 +51,12 @@ class LoadedModel:
 
     @property
     def identity(self) -> str:
-        """sha256 hex over digest + weight format + dtype: equal only when the KV it computes is equal."""
-        return hashlib.sha256(f"{self.weights_digest}|{self.weights}|{self.dtype}".encode()).hexdigest()
+        """sha256 hex over digest + weight format + dtype (+ the layer cut of a truncated model):
+        equal only when the KV it computes is equal."""
+        described = f"{self.weights_digest}|{self.weights}|{self.dtype}"
+        if self.source_num_layers is not None:
+            described += f"|first {self.config.num_layers} of {self.source_num_layers} layers"
+        return hashlib.sha256(described.encode()).hexdigest()
 
 
 def bundled_gguf_path() -> Path:
@@ -126,6 +134,19 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
     if weights in ("int8", "int4"):
         quantize_model(model, weights)
     return model
+
+
+def truncate_layers(loaded: LoadedModel, num_layers: int) -> LoadedModel:
+    """``loaded`` serving only its first ``num_layers`` decoder layers (early exit: then the final
+    norm and lm_head), sharing its weights (``LlamaForCausalLM.first_layers``). Its config, and so
+    its KV layout, has ``num_layers`` layers and its identity names the cut, so its KV never mixes
+    with the full model's. Applied after loading: caches of converted weights stay whole-model.
+    ValueError unless 1 <= num_layers <= loaded.config.num_layers."""
+    if num_layers == loaded.config.num_layers:
+        return loaded
+    model = loaded.model.first_layers(num_layers)
+    return dataclasses.replace(loaded, config=model.config, model=model,
+                               source_num_layers=loaded.source_num_layers or loaded.config.num_layers)
 
 
 def load_model(source: str = "bundled", *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
