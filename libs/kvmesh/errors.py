@@ -61,3 +61,15 @@ class Cancelled(KvmeshError):
     """The operation was cancelled (client cancel, Abort call)."""
 
     code = grpc.StatusCode.CANCELLED
+
+
+class Unauthenticated(KvmeshError):
+    """The call carries no valid credentials (missing or unknown API key)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KvmeshError):
+    """The caller is known but may not do this (e.g. a model outside its tenant's allowance)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

@@ -1,0 +1,52 @@
+"""Gateway configuration: flags and KVMESH_GATEWAY_* environment variables, frozen after start."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from kvmesh.config import ConfigError, setting
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway needs to start; see `python -m kvmesh.services.gateway --help`."""
+
+    router_address: str = setting("127.0.0.1:50081", "host:port of the router service (the gateway's only upstream).")
+    model: str = setting("bundled", "Tokenizer source: 'bundled' (SmolLM2 GGUF), a .gguf path or a Hugging Face folder; only the tokenizer and chat template are read, never the weights.")
+    http_host: str = setting("127.0.0.1", "Address the OpenAI-compatible HTTP server binds (loopback by default).")
+    http_port: int = setting(8000, "HTTP port; 0 picks a free one (printed at start).", min=0, max=65535)
+    host: str = setting("127.0.0.1", "Address the gRPC server (kvmesh.gateway.v1, health, reflection) binds.")
+    port: int = setting(50051, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
+    metrics: bool = setting(True, "Serve Prometheus text at GET /metrics on the HTTP port.")
+    keys_file: Optional[Path] = setting(None, "JSON file of tenants and API-key hashes (see `python -m kvmesh.services.gateway.keys`); unset = no keys, every request is tenant 'default'.")
+    max_inflight_requests: int = setting(256, "Upstream requests (prompts x n) in flight at once; more get 503 with Retry-After.", min=1)
+    max_inflight_prompt_tokens: int = setting(262144, "Prompt tokens in flight at once over all requests; more get 503 with Retry-After.", min=1)
+    tenant_max_inflight_requests: int = setting(0, "Default per-tenant cap on upstream requests in flight (a tenant's own `max_inflight_requests` in the keys file wins); over it: 429. 0 = no cap.", min=0)
+    retry_after_s: int = setting(1, "Seconds sent in Retry-After when a request is refused for load.", min=1)
+    max_n: int = setting(16, "Largest `n` (choices per prompt) a request may ask for.", min=1, max=128)
+    max_batch_prompts: int = setting(32, "Most prompts one /v1/completions request may batch.", min=1)
+    default_temperature: float = setting(1.0, "Temperature of a request that names none (OpenAI's default is 1.0; 0 = greedy).", min=0.0, max=2.0)
+    request_timeout_s: float = setting(600.0, "Deadline of each upstream generation (the whole stream).", min=0.1)
+    models_refresh_s: float = setting(5.0, "Seconds the router's model list is cached before it is asked again.", min=0.0)
+    grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
+    otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
+
+    def validate(self) -> None:
+        if ":" not in self.router_address:
+            raise ConfigError(f"--router-address {self.router_address!r} needs a port, e.g. 127.0.0.1:50081 "
+                              "(KVMESH_GATEWAY_ROUTER_ADDRESS)")
+        if self.keys_file is not None and not self.keys_file.is_file():
+            raise ConfigError(f"--keys-file {self.keys_file} does not exist; create it with "
+                              f"`python -m kvmesh.services.gateway.keys add --keys-file {self.keys_file} "
+                              "--tenant NAME`, or unset it to run without keys")
+        if self.http_host == self.host and self.http_port == self.port and self.port != 0:
+            raise ConfigError(f"--http-port and --port are both {self.port}; give the HTTP and gRPC "
+                              "servers different ports")
+
+    @property
+    def open_to_network_without_keys(self) -> bool:
+        """True when a server binds beyond loopback while no keys file is configured."""
+        return self.keys_file is None and not (self.http_host in _LOOPBACK and self.host in _LOOPBACK)

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP front end: a thin FastAPI adapter over `service.Gateway`.
+
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
+(SSE when `stream`), GET /health, GET /metrics. Every error is OpenAI's body with the status
+`errors` maps it to — FastAPI's own validation errors and unknown routes included. A SERVER span
+per request (W3C `traceparent` honoured) is current while the request runs, so the router call
+made for it joins the same trace.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvmesh.errors import KvmeshError
+from kvmesh.services.gateway.auth import bearer_token
+from kvmesh.services.gateway.errors import ApiError, error_type, to_api_error
+from kvmesh.services.gateway.openai_format import DONE, Formatter, sse
+from kvmesh.services.gateway.openai_schema import chat_request, completion_request, parse_body, validation_error
+from kvmesh.services.gateway.service import Gateway, Generation
+from kvmesh.services.gateway.sse import CLIENT_CLOSED, ClientGone, EventStream, race_disconnect
+from kvmesh.telemetry import extract_context, tracer
+
+_UNTRACED = ("/health", "/metrics")
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+class TraceMiddleware:
+    """Opens a SERVER span per HTTP request (health and metrics excepted) and makes it current."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _UNTRACED:
+            await self.app(scope, receive, send)
+            return
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        method, path = scope["method"], scope["path"]
+        span = tracer("kvmesh.gateway").start_span(
+            f"{method} {path}", context=extract_context(headers), kind=SpanKind.SERVER,
+            attributes={"http.request.method": method, "url.path": path})
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            otel_context.detach(token)
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+            span.end()
+
+
+def create_app(gateway: Gateway, *, serve_metrics: bool = True) -> FastAPI:
+    """The HTTP application for `gateway`."""
+    app = FastAPI(title="kvmesh gateway", summary="OpenAI-compatible API of kvmesh",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(TraceMiddleware)
+    retry_after = gateway.options.retry_after_s
+
+    @app.exception_handler(KvmeshError)
+    async def _domain_error(request: Request, exc: KvmeshError) -> JSONResponse:
+        return error_response(to_api_error(exc, retry_after=retry_after))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (f"unknown URL {request.method} {request.url.path}" if exc.status_code == 404
+                   else str(exc.detail))
+        return JSONResponse({"error": {"message": message, "type": error_type(exc.status_code),
+                                       "param": None, "code": None}},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    def authenticate(request: Request) -> str:
+        tenant = gateway.authenticate(bearer_token(request.headers.get("authorization")))
+        trace.get_current_span().set_attribute("kvmesh.tenant", tenant.name)
+        return tenant.name
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        problem = await gateway.health()
+        return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
+
+    if serve_metrics:
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return {"object": "list", "data": [_model(m) for m in await gateway.models()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return _model(await gateway.model(model_id))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(gateway, request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(gateway, request, "chat")
+
+    return app
+
+
+def _model(m: Any) -> dict[str, Any]:
+    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "kvmesh",
+            "root": m.root, "max_model_len": m.max_model_len}
+
+
+async def _generate(gateway: Gateway, request: Request, kind: Literal["completion", "chat"]
+                    ) -> Response:
+    """Authenticate, parse, start, then stream or collect; every outcome is recorded once."""
+    arrival = time.perf_counter()
+    endpoint = request.url.path
+    tenant_name = "unauthenticated"
+    retry_after = gateway.options.retry_after_s
+    try:
+        tenant = gateway.authenticate(bearer_token(request.headers.get("authorization")))
+        tenant_name = tenant.name
+        trace.get_current_span().set_attribute("kvmesh.tenant", tenant.name)
+        body = parse_body(await request.body(), kind)
+        req = chat_request(body) if kind == "chat" else completion_request(body)  # type: ignore[arg-type]
+        stream = bool(body.stream)
+        include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
+        generation = await gateway.start(req, tenant, endpoint=endpoint, arrival=arrival)
+    except Exception as e:
+        err = to_api_error(e, retry_after=retry_after)
+        gateway.record(endpoint, err.status, tenant_name, arrival)
+        return error_response(err)
+    fmt = Formatter(kind, generation.id, generation.created, req.model,
+                    logprobs=req.sampling.logprobs is not None, include_usage=include_usage)
+    deltas = generation.deltas()
+    try:
+        if stream:  # wait for the first delta, so that early failures get a real status
+            first = await race_disconnect(request.receive, _first(deltas))
+        else:
+            result = await race_disconnect(request.receive, _collect(deltas, fmt, generation))
+    except ClientGone:
+        await generation.aclose()
+        gateway.record(endpoint, CLIENT_CLOSED, tenant_name, arrival)
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException as e:
+        await generation.aclose()
+        if not isinstance(e, Exception):
+            raise
+        err = to_api_error(e, retry_after=retry_after)
+        gateway.record(endpoint, err.status, tenant_name, arrival)
+        return error_response(err)
+    if not stream:
+        await generation.aclose()
+        gateway.record(endpoint, 200, tenant_name, arrival)
+        return JSONResponse(result)
+    outcome = {"status": 200}
+
+    async def on_close(disconnected: bool) -> None:
+        await generation.aclose()
+        status = CLIENT_CLOSED if disconnected else outcome["status"]
+        gateway.record(endpoint, status, tenant_name, arrival)
+
+    return EventStream(_events(first, deltas, fmt, generation, outcome, retry_after), on_close)
+
+
+async def _first(deltas: AsyncIterator[Any]) -> Any:
+    try:
+        return await deltas.__anext__()
+    except StopAsyncIteration:
+        raise ApiError(grpc.StatusCode.UNAVAILABLE, "the router sent no output; retry",
+                       retry_after=1) from None
+
+
+async def _collect(deltas: AsyncIterator[Any], fmt: Formatter, generation: Generation
+                   ) -> dict[str, Any]:
+    async for delta in deltas:
+        fmt.add(delta)
+    return fmt.response(generation.usage)
+
+
+async def _events(first: Any, deltas: AsyncIterator[Any], fmt: Formatter, generation: Generation,
+                  outcome: dict[str, int], retry_after: int) -> AsyncIterator[bytes]:
+    """The SSE byte stream: chunks, the usage chunk if asked, an error event if one came, [DONE]."""
+    try:
+        for chunk in fmt.chunks(first):
+            yield sse(chunk)
+        async for delta in deltas:
+            for chunk in fmt.chunks(delta):
+                yield sse(chunk)
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk(generation.usage))
+    except Exception as e:  # headers are sent: report in-band, as OpenAI does
+        err = to_api_error(e, retry_after=retry_after)
+        outcome["status"] = err.status
+        yield sse(err.body())
+    yield DONE

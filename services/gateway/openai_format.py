@@ -1,0 +1,155 @@
+"""OpenAI response bodies and SSE chunks, built from the domain's `ChoiceDelta`s and `Usage`.
+
+`Formatter` knows one request's id, model and options; `chunks(delta)` gives the SSE chunk
+objects for a delta, `add(delta)` accumulates it for a non-streaming response, and `response()`
+builds that response. Completions use the legacy `logprobs` object (tokens, token_logprobs,
+top_logprobs, text_offset — offsets count characters from the start of the choice's text, echoed
+prompt included); chat uses `logprobs.content` entries with bytes and top_logprobs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.services.gateway.spec import ChoiceDelta, Kind, TokenLogprob, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                             for t in lp.top]}
+
+
+@dataclass
+class _Choice:
+    """What a non-streaming response accumulates for one choice, and its text offset."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0
+
+
+class Formatter:
+    """Builds the chunks and the response of one request (see the module docstring)."""
+
+    def __init__(self, kind: Kind, request_id: str, created: int, model: str, *,
+                 logprobs: bool, include_usage: bool) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.created = created
+        self.model = model
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self._choices: dict[int, _Choice] = {}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def _choice(self, index: int) -> _Choice:
+        return self._choices.setdefault(index, _Choice())
+
+    def _legacy_logprobs(self, state: _Choice, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """The completions `logprobs` object for `entries`, advancing the choice's offset."""
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        for lp in entries:
+            out["tokens"].append(lp.token)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(None if lp.logprob is None
+                                       else {t.token: t.logprob for t in lp.top})
+            out["text_offset"].append(state.offset)
+            state.offset += len(lp.token)
+        return out
+
+    def _delta_text_and_logprobs(self, delta: ChoiceDelta) -> tuple[str, list[TokenLogprob]]:
+        text, entries = delta.text, list(delta.logprobs)
+        if delta.echo is not None:
+            text = delta.echo.text + text
+            entries = list(delta.echo.logprobs) + entries
+        return text, entries
+
+    # --- streaming ----------------------------------------------------------------------------
+
+    def chunks(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The SSE chunk objects for one delta (chat may need two: content, then finish)."""
+        state = self._choice(delta.index)
+        text, entries = self._delta_text_and_logprobs(delta)
+        if self.kind == "completion":
+            choice = {"index": delta.index, "text": text,
+                      "logprobs": self._legacy_logprobs(state, entries) if self.logprobs else None,
+                      "finish_reason": delta.finish_reason}
+            return [self._chunk("text_completion", choice)]
+        out = []
+        body: dict[str, Any] = {}
+        if delta.first:
+            body["role"] = "assistant"
+        if text or delta.first:
+            body["content"] = text
+        if body or entries:
+            logprobs = ({"content": [_chat_logprob(e) for e in entries], "refusal": None}
+                        if self.logprobs else None)
+            out.append(self._chunk("chat.completion.chunk", {
+                "index": delta.index, "delta": body, "logprobs": logprobs, "finish_reason": None}))
+        if delta.finish_reason is not None:
+            out.append(self._chunk("chat.completion.chunk", {
+                "index": delta.index, "delta": {}, "logprobs": None,
+                "finish_reason": delta.finish_reason}))
+        return out
+
+    def _chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._head(obj), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The final `choices: []` chunk carrying usage (stream_options.include_usage)."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage_body(usage)}
+
+    # --- non-streaming ------------------------------------------------------------------------
+
+    def add(self, delta: ChoiceDelta) -> None:
+        """Accumulate one delta for `response()`."""
+        state = self._choice(delta.index)
+        text, entries = self._delta_text_and_logprobs(delta)
+        state.text.append(text)
+        state.logprobs.extend(entries)
+        if delta.finish_reason is not None:
+            state.finish_reason = delta.finish_reason
+
+    def response(self, usage: Usage) -> dict[str, Any]:
+        """The whole non-streaming response body."""
+        choices = []
+        for index in sorted(self._choices):
+            state = self._choices[index]
+            text = "".join(state.text)
+            if self.kind == "completion":
+                state.offset = 0
+                logprobs = self._legacy_logprobs(state, state.logprobs) if self.logprobs else None
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": state.finish_reason})
+            else:
+                logprobs = ({"content": [_chat_logprob(e) for e in state.logprobs],
+                             "refusal": None} if self.logprobs else None)
+                choices.append({"index": index,
+                                "message": {"role": "assistant", "content": text, "refusal": None},
+                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage_body(usage)}

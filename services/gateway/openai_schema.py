@@ -1,0 +1,208 @@
+"""OpenAI request bodies (pydantic) and their translation into the gateway's `GenerationRequest`.
+
+Unknown fields are ignored, as OpenAI's API does. Known knobs the stack cannot honour (penalties,
+logit_bias, tools, non-text response formats, best_of != n, suffix, ...) are refused with a 400
+that names them, rather than silently ignored: a client relying on them would get wrong output.
+Range checks shared with the gRPC API live in `spec.validate_request`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvmesh.services.gateway.errors import ApiError, invalid
+from kvmesh.services.gateway.spec import ChatTurn, GenerationRequest, Sampling
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class _Common(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionBody(_Common):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionBody(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+
+
+Body = Union[CompletionBody, ChatCompletionBody]
+
+
+def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
+    """Decode and shape-check a JSON body; 400 naming the parameter on any problem."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"the request body is not valid JSON ({e}); send a JSON object",
+                      None, "invalid_json") from e
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_json")
+    schema = ChatCompletionBody if kind == "chat" else CompletionBody
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+
+
+def validation_error(errors: list[Any]) -> ApiError:
+    """A pydantic/FastAPI error list as one 400 naming the first bad parameter."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members add their type names to the path ("prompt.str"): keep the field part only.
+    names = [p for p in loc if p.isdigit() or not _is_type_name(p)]
+    param = ""
+    for part in names:
+        param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
+    kind = first.get("type", "")
+    message = first.get("msg", "invalid value")
+    if kind == "missing":
+        return invalid(f"missing required parameter: '{param}'", param or None,
+                       "missing_required_parameter")
+    shown = f" (got {first['input']!r})" if "input" in first and kind != "missing" else ""
+    return invalid(f"invalid value for '{param or 'body'}': {message}{shown}", param or None,
+                   "invalid_type")
+
+
+def _is_type_name(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list", "dict") or "[" in part
+
+
+def _unsupported(name: str, hint: str = "") -> ApiError:
+    return invalid(f"{name} is not supported by this server{hint}", name.split(" ")[0],
+                   "unsupported_parameter")
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _check_common(body: _Common) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            raise _unsupported(name, "; leave it unset or 0")
+    if body.logit_bias:
+        raise _unsupported("logit_bias")
+
+
+def completion_request(body: CompletionBody) -> GenerationRequest:
+    """POST /v1/completions as a GenerationRequest (400 for unsupported knobs)."""
+    _check_common(body)
+    n = 1 if body.n is None else body.n
+    if body.best_of is not None and body.best_of != n:
+        raise _unsupported("best_of", f" unless equal to n ({n}); use n")
+    if body.suffix:
+        raise _unsupported("suffix")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: tuple[str | tuple[int, ...], ...] = (prompt,)
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = (tuple(prompt),)  # type: ignore[arg-type]
+    else:
+        prompts = tuple(p if isinstance(p, str) else tuple(p) for p in prompt)  # type: ignore[union-attr]
+    return GenerationRequest(
+        kind="completion", model=body.model, prompts=prompts, n=n, echo=bool(body.echo),
+        user=body.user or "",
+        sampling=Sampling(max_tokens=body.max_tokens, temperature=body.temperature,
+                          top_p=body.top_p, seed=body.seed, stop=_stop(body.stop),
+                          logprobs=body.logprobs))
+
+
+def _message_text(i: int, m: ChatMessage) -> str:
+    if m.tool_calls:
+        raise _unsupported(f"messages[{i}].tool_calls", " (tools are not supported)")
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise invalid(f"messages[{i}].content[{j}] has type {part.type!r}; only text parts "
+                          "are supported", f"messages[{i}].content[{j}].type",
+                          "unsupported_content_type")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_request(body: ChatCompletionBody) -> GenerationRequest:
+    """POST /v1/chat/completions as a GenerationRequest (400 for unsupported knobs)."""
+    _check_common(body)
+    for name in ("tools", "functions", "tool_choice", "function_call", "prediction", "audio"):
+        if getattr(body, name):
+            raise _unsupported(name)
+    if body.modalities and set(body.modalities) != {"text"}:
+        raise _unsupported("modalities", "; only [\"text\"]")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise _unsupported("response_format",
+                           f" with type {body.response_format.get('type')!r}; only 'text'")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise invalid("set max_completion_tokens or max_tokens, not both", "max_tokens")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    messages = tuple(ChatTurn(m.role, _message_text(i, m), m.name)
+                     for i, m in enumerate(body.messages))
+    return GenerationRequest(
+        kind="chat", model=body.model, messages=messages, n=1 if body.n is None else body.n,
+        user=body.user or "",
+        sampling=Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          seed=body.seed, stop=_stop(body.stop), logprobs=logprobs))

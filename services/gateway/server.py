@@ -1,0 +1,115 @@
+"""The gateway's two servers in one asyncio loop: uvicorn (HTTP) and grpc.aio (gRPC).
+
+`build_gateway` wires the domain objects from the config; `GatewayServer` runs the HTTP app and
+the gRPC server (kvmesh.gateway.v1 + health + reflection) side by side. The HTTP socket is bound
+before uvicorn starts, so its port is known at once (port 0 included) and connections made
+before uvicorn's first accept simply wait in the backlog. Uvicorn's own signal handling is
+switched off: the RpcServer owns SIGTERM, and its drain hook stops HTTP admissions too.
+
+NOTE (drain). SIGTERM → gRPC health NOT_SERVING and new gRPC calls UNAVAILABLE (RpcServer), new
+HTTP requests 503 and /health 503 (admission draining); in-flight requests of both front ends
+finish within grace_s; then the gRPC server stops and uvicorn closes its connections.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Generator
+
+import grpc
+import uvicorn
+
+from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.model.tokenizer import Tokenizer
+from kvmesh.rpc.client import make_channel
+from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.services.gateway import metrics
+from kvmesh.services.gateway.admission import Admission, AdmissionLimits
+from kvmesh.services.gateway.auth import KeyStore
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.grpc_servicer import GatewayServicer
+from kvmesh.services.gateway.http_app import create_app
+from kvmesh.services.gateway.prompts import PromptBuilder
+from kvmesh.services.gateway.service import Gateway, GatewayOptions
+from kvmesh.services.gateway.spec import Limits
+from kvmesh.services.gateway.upstream import ModelCatalog, RouterClient
+
+log = logging.getLogger(__name__)
+SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Channel) -> Gateway:
+    """The request-handling core for `cfg`, talking to the router over `channel`."""
+    router = RouterClient(channel, cfg.request_timeout_s)
+    admission = Admission(
+        AdmissionLimits(cfg.max_inflight_requests, cfg.max_inflight_prompt_tokens,
+                        cfg.tenant_max_inflight_requests),
+        on_change=metrics.set_inflight)
+    options = GatewayOptions(default_temperature=cfg.default_temperature,
+                             retry_after_s=cfg.retry_after_s,
+                             limits=Limits(max_n=cfg.max_n, max_batch_prompts=cfg.max_batch_prompts))
+    return Gateway(router, ModelCatalog(router, cfg.models_refresh_s), PromptBuilder(tokenizer),
+                   KeyStore(cfg.keys_file), admission, options)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers (the gRPC server's drain owns SIGTERM/SIGINT)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise OSError(f"gateway: cannot listen for HTTP on {host}:{port} ({e.strerror}); is "
+                      "another process using the port? pass --http-port (0 = any free port)") from e
+
+
+class GatewayServer:
+    """HTTP + gRPC servers over one `Gateway` (see the module docstring)."""
+
+    def __init__(self, cfg: GatewayConfig, gateway: Gateway) -> None:
+        self.cfg = cfg
+        self.gateway = gateway
+        self.app = create_app(gateway, serve_metrics=cfg.metrics)
+        servicer = GatewayServicer(gateway)
+        self.rpc = RpcServer(
+            "gateway", ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s),
+            lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+            [SERVICE], on_drain=gateway.drain)
+        self.http_port: int | None = None
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+
+    async def start_http(self) -> int:
+        """Bind and start serving HTTP; returns the port."""
+        sock = _bind(self.cfg.http_host, self.cfg.http_port)
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=max(int(self.cfg.grace_s), 1))
+        self._http = _Uvicorn(config)
+        self._http_task = asyncio.ensure_future(self._http.serve(sockets=[sock]))
+        return self.http_port
+
+    async def stop_http(self) -> None:
+        """Stop HTTP: close the listener and the connections (after a drain, none is busy)."""
+        if self._http is None or self._http_task is None:
+            return
+        self._http.should_exit = True
+        await self._http_task
+
+    async def start(self) -> tuple[int, int]:
+        """Start both servers (HTTP first, so gRPC health SERVING means both are up)."""
+        http_port = await self.start_http()
+        return http_port, await self.rpc.start()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain (see the module NOTE) and stop both servers."""
+        await self.rpc.drain(grace_s)
+        await self.stop_http()

@@ -1,0 +1,194 @@
+"""The gateway's domain objects: one request shape for both front ends, and what a run yields.
+
+The HTTP schema (`openai_schema`) and the gRPC servicer each translate their wire format into a
+`GenerationRequest`; `validate_request` then checks it the same way for both, with messages that
+name the offending OpenAI parameter. Limits follow the engine's (`services/engine/sampling.py`)
+so a request the gateway accepts is not refused later for a range the engine enforces.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvmesh.services.gateway.errors import invalid
+
+MAX_TEMPERATURE = 2.0
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SEED = 2**64 - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+Kind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling and stopping, as the client asked (None = the default applies)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    """None: no log-probabilities; k: each token's log-probability plus its top-k alternatives."""
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message (text only)."""
+
+    role: str
+    content: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated-shape request from either front end.
+
+    Completions carry `prompts` (text or token ids, one choice group each); chat carries
+    `messages`. `echo` (completions only) prepends the prompt to each choice, with the prompt's
+    log-probabilities when `sampling.logprobs` is set.
+    """
+
+    kind: Kind
+    model: str
+    sampling: Sampling
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
+    n: int = 1
+    echo: bool = False
+    user: str = ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request-shape limits from the gateway config."""
+
+    max_n: int = 16
+    max_batch_prompts: int = 32
+
+
+def validate_request(req: GenerationRequest, limits: Limits) -> None:
+    """Raise a 400 ApiError naming the parameter when `req` cannot be served as asked."""
+    s = req.sampling
+    if not req.model:
+        raise invalid("you must provide a model parameter", "model", "missing_required_parameter")
+    if req.kind == "chat" and not req.messages:
+        raise invalid("messages must contain at least one message", "messages")
+    if req.kind == "completion":
+        if not req.prompts:
+            raise invalid("prompt must not be empty", "prompt")
+        if len(req.prompts) > limits.max_batch_prompts:
+            raise invalid(f"at most {limits.max_batch_prompts} prompts per request, got "
+                          f"{len(req.prompts)}; split the batch", "prompt")
+    for i, turn in enumerate(req.messages):
+        if turn.role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role {turn.role!r} is not supported; use one of "
+                          f"{', '.join(CHAT_ROLES)}", f"messages[{i}].role")
+    if not 1 <= req.n <= limits.max_n:
+        raise invalid(f"n must be in 1..{limits.max_n}, got {req.n}", "n")
+    if s.max_tokens is not None and s.max_tokens < 1:
+        raise invalid(f"max_tokens must be at least 1, got {s.max_tokens}", "max_tokens")
+    if s.temperature is not None and (math.isnan(s.temperature)
+                                      or not 0.0 <= s.temperature <= MAX_TEMPERATURE):
+        raise invalid(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {s.temperature}",
+                      "temperature")
+    if s.top_p is not None and (math.isnan(s.top_p) or not 0.0 < s.top_p <= 1.0):
+        raise invalid(f"top_p must be in (0, 1], got {s.top_p}", "top_p")
+    if s.seed is not None and not 0 <= s.seed <= MAX_SEED - limits.max_n:
+        raise invalid(f"seed must be in 0..{MAX_SEED - limits.max_n}, got {s.seed}", "seed")
+    _validate_stop(s.stop)
+    if s.logprobs is not None:
+        top = MAX_COMPLETION_LOGPROBS if req.kind == "completion" else MAX_TOP_LOGPROBS
+        param = "logprobs" if req.kind == "completion" else "top_logprobs"
+        if not 0 <= s.logprobs <= top:
+            raise invalid(f"{param} must be in 0..{top}, got {s.logprobs}", param)
+    if req.echo and req.kind != "completion":
+        raise invalid("echo is only supported by completions", "echo")
+
+
+def _validate_stop(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stop)}",
+                      "stop")
+    for i, s in enumerate(stop):
+        if not s:
+            raise invalid(f"stop[{i}] is empty; stop sequences need at least one character", "stop")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise invalid(f"stop[{i}] is {len(s)} characters long; the limit is "
+                          f"{MAX_STOP_STRING_CHARS}", "stop")
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One candidate token with its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one position's token and its top alternatives.
+
+    `logprob` is None only for the first token of an echoed prompt (nothing predicts it).
+    """
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """A completions prompt as echoed on its choices' first delta."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With logprobs requested: one per prompt token, the first with logprob None."""
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of one choice; `finish_reason` ("stop" / "length") on its last delta."""
+
+    index: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    echo: EchoedPrompt | None = None
+    first: bool = False
+    """True on the choice's first delta (chat sends the role there)."""
+
+
+@dataclass
+class Usage:
+    """Token accounting of a whole request: each prompt counted once, whatever n is; its cached
+    tokens are the most any of its n copies reused (they run concurrently, so they may differ)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _cached: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def add_choice(self, prompt_index: int, completion_tokens: int, cached_tokens: int) -> None:
+        """Account one finished choice of prompt `prompt_index`."""
+        self.completion_tokens += completion_tokens
+        self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), cached_tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

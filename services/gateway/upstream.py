@@ -1,0 +1,220 @@
+"""The router, seen from the gateway: model list (cached), and one generation per choice.
+
+`RouterClient` wraps the RouterService stub. `ModelCatalog` caches ListModels for a few seconds
+(names are validated on every request, and /health reads it). `ChoiceStream` runs one upstream
+Generate call and turns each RouteResponse into `ChoiceDelta`s; `merge` runs several of them
+concurrently (n > 1, batched prompts) and yields their deltas as they come.
+
+NOTE (cancellation). Every upstream call runs in its own task. Closing the merged stream (client
+gone, error in a sibling choice, servicer cancelled) cancels those tasks and the calls
+themselves (`call.cancel()`), which the router relays to the engine: the engine frees the
+request's slot at once rather than generating for nobody.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.engine.v1 import engine_pb2
+from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.services.gateway.errors import ApiError
+from kvmesh.services.gateway.spec import (
+    ChoiceDelta,
+    EchoedPrompt,
+    TokenLogprob,
+    TopLogprob,
+)
+
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model clients can name, as the router lists it."""
+
+    id: str
+    root: str
+    max_model_len: int
+    created: int
+
+
+class RouterClient:
+    """Calls to the router over one channel; `timeout_s` bounds each whole generation stream."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        self.channel = channel
+        self.stub = router_pb2_grpc.RouterServiceStub(channel)
+        self.timeout_s = timeout_s
+
+    async def list_models(self, timeout_s: float = 5.0) -> list[router_pb2.ModelCard]:
+        response = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout_s)
+        return list(response.models)
+
+    def generate(self, request: router_pb2.RouteRequest) -> grpc.aio.UnaryStreamCall:
+        return self.stub.Generate(request, timeout=self.timeout_s)
+
+
+class ModelCatalog:
+    """ListModels, cached for `ttl_s`; a name not in the cache triggers one fresh look-up."""
+
+    def __init__(self, router: RouterClient, ttl_s: float) -> None:
+        self._router = router
+        self._ttl_s = ttl_s
+        self._models: dict[str, ModelEntry] = {}
+        self._fetched = float("-inf")
+        self._first_seen: dict[str, int] = {}
+        self._refresh: asyncio.Task[None] | None = None
+
+    async def models(self, *, fresh: bool = False) -> list[ModelEntry]:
+        """Every model, from the cache unless it is older than the TTL (or `fresh`)."""
+        if fresh or time.monotonic() - self._fetched > self._ttl_s:
+            await self._fetch()
+        return list(self._models.values())
+
+    async def get(self, model_id: str) -> ModelEntry:
+        """The named model; a 404 ApiError (model_not_found) when the router does not list it."""
+        await self.models()
+        if model_id not in self._models and time.monotonic() - self._fetched > 0.5:
+            await self._fetch()
+        entry = self._models.get(model_id)
+        if entry is None:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise ApiError(grpc.StatusCode.NOT_FOUND,
+                           f"The model `{model_id}` does not exist; available models: {known}",
+                           param="model", error_code="model_not_found")
+        return entry
+
+    async def _fetch(self) -> None:
+        # Concurrent callers share one in-flight ListModels call.
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._do_fetch())
+        await asyncio.shield(self._refresh)
+
+    async def _do_fetch(self) -> None:
+        cards = await self._router.list_models()
+        now = int(time.time())
+        self._models = {c.id: ModelEntry(c.id, c.root or c.id, c.max_model_len,
+                                         self._first_seen.setdefault(c.id, now)) for c in cards}
+        self._fetched = time.monotonic()
+
+
+def _logprobs(entries) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(e.chosen.token_id, e.chosen.text, e.chosen.logprob,
+                     tuple(TopLogprob(t.token_id, t.text, t.logprob) for t in e.top))
+        for e in entries)
+
+
+@dataclass(frozen=True)
+class ChoiceJob:
+    """One upstream generation: which choice and prompt it serves, and what to send."""
+
+    index: int
+    prompt_index: int
+    request: router_pb2.RouteRequest
+    echo: EchoedPrompt | None = None
+    """Completions with echo: the prompt to put on the first delta (prompt logprobs added)."""
+
+
+@dataclass(frozen=True)
+class ChoiceFinal:
+    """The end of one choice's stream: what it cost (for the request's usage)."""
+
+    prompt_index: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+async def run_choice(router: RouterClient, job: ChoiceJob
+                     ) -> AsyncIterator[ChoiceDelta | ChoiceFinal]:
+    """Stream one choice: its deltas (the last with finish_reason), then its ChoiceFinal."""
+    call = router.generate(job.request)
+    first = True
+    try:
+        async for msg in call:
+            out: engine_pb2.GenerateResponse = msg.response
+            echo = None
+            if first and job.echo is not None:
+                echo = job.echo
+                # The engine sends one entry per prompt token from the second on; without them
+                # (a tier that cannot score prompts) the placeholders without logprobs stay.
+                if echo.logprobs and len(out.prompt_logprobs) == len(echo.logprobs) - 1:
+                    echo = EchoedPrompt(echo.text, echo.token_ids,
+                                        echo.logprobs[:1] + _logprobs(out.prompt_logprobs))
+            finish = None
+            if out.HasField("final"):
+                if out.final.finish_reason not in _FINISH:
+                    raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                                   "the engine aborted the request (it may be draining); retry",
+                                   retry_after=1)
+                finish = _FINISH[out.final.finish_reason]
+            if first or out.text or out.token_ids or finish:
+                yield ChoiceDelta(job.index, out.text, tuple(out.token_ids),
+                                  _logprobs(out.logprobs), finish, echo, first)
+                first = False
+            if finish is not None:
+                u = out.final.usage
+                yield ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
+                                  u.cached_prompt_tokens)
+                return
+        raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                       "the router's stream ended without a final message; retry", retry_after=1)
+    finally:
+        if not call.done():
+            call.cancel()
+
+
+_DONE = object()
+
+
+async def merge(router: RouterClient, jobs: list[ChoiceJob]
+                ) -> AsyncIterator[ChoiceDelta | ChoiceFinal]:
+    """Run every job concurrently; yield their items as they arrive.
+
+    The first failure cancels the other jobs and is raised. Closing this generator (aclose, or
+    cancelling the task iterating it) cancels every job still running — see the module NOTE.
+    """
+    if len(jobs) == 1:  # the common case needs no tasks
+        async with contextlib.aclosing(run_choice(router, jobs[0])) as items:
+            async for item in items:
+                yield item
+        return
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump(job: ChoiceJob) -> None:
+        try:
+            async with contextlib.aclosing(run_choice(router, job)) as items:
+                async for item in items:
+                    queue.put_nowait(item)
+            queue.put_nowait(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the consumer, who raises it
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

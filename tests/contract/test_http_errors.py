@@ -1,0 +1,166 @@
+"""HTTP error contract: OpenAI error bodies, statuses, Retry-After, and slots always returned."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from gateway_utils import MAX_MODEL_LEN, MODEL, WORDS
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _inflight(h) -> tuple[int, int]:
+    return h.call(lambda: (h.gateway.admission.inflight_requests,
+                           h.gateway.admission.inflight_prompt_tokens))
+
+
+def _error(e: pytest.ExceptionInfo) -> dict:
+    return e.value.body
+
+
+@pytest.mark.parametrize("kwargs, param, code", [
+    ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"temperature": 3}, "temperature", "invalid_value"),
+    ({"n": 99}, "n", "invalid_value"),
+    ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"stop": ["x"] * 17}, "stop", "invalid_value"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].type", "unsupported_content_type"),
+])
+def test_bad_chat_parameters_are_400_naming_the_param(client, gateway, kwargs, param, code):
+    body = {"model": MODEL, "messages": USER, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**body)
+    err = _error(e)
+    assert (err["param"], err["code"]) == (param, code), err
+    assert e.value.response.json()["error"]["type"] == "invalid_request_error"
+    assert gateway.state.calls == []
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"logprobs": 6}, "logprobs"),
+    ({"prompt": []}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"),
+    ({"prompt": [300]}, "prompt"), ({"echo": "maybe"}, "echo"),
+])
+def test_bad_completion_parameters(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{"model": MODEL, "prompt": "x", **kwargs})
+    assert _error(e)["param"] == param, _error(e)
+
+
+def test_missing_model_and_malformed_json_are_400_not_422(gateway):
+    url = f"{gateway.base_url}/chat/completions"
+    r = httpx.post(url, json={"messages": USER})
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "missing required parameter: 'model'",
+                                 "type": "invalid_request_error", "param": "model",
+                                 "code": "missing_required_parameter"}
+    r = httpx.post(url, content=b'{"model": "tiny", ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(url, json=[1, 2])
+    assert r.status_code == 400
+
+
+def test_context_length_exceeded_says_the_numbers(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=MAX_MODEL_LEN)
+    err = _error(e)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err["message"]
+    assert f"requested {MAX_MODEL_LEN + 3} tokens (3 in the prompt, {MAX_MODEL_LEN} in" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 300}])
+    assert _error(e)["code"] == "context_length_exceeded" and _error(e)["param"] == "messages"
+
+
+def test_unknown_model_and_route_are_404(client, gateway):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=USER)
+    assert _error(e)["code"] == "model_not_found" and _error(e)["param"] == "model"
+    r = httpx.get(f"{gateway.base_url}/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("code, status, exc, retry", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, openai.RateLimitError, "1"),
+    (grpc.StatusCode.UNAVAILABLE, 503, openai.InternalServerError, "1"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, openai.InternalServerError, None),
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, openai.BadRequestError, None),
+    (grpc.StatusCode.INTERNAL, 500, openai.InternalServerError, None),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_status_codes_map_to_http(client, gateway, code, status, exc, retry, stream):
+    gateway.state.fail = (code, "engine queue is full", 0)
+    with pytest.raises(exc) as e:
+        r = client.chat.completions.create(model=MODEL, messages=USER, stream=stream)
+        list(r) if stream else None
+    assert e.value.status_code == status
+    assert e.value.response.headers.get("retry-after") == retry
+    assert "engine queue is full" in _error(e)["message"]
+    assert _inflight(gateway) == (0, 0)
+
+
+def test_error_after_streaming_began_is_an_sse_error_event(gateway, client):
+    gateway.state.fail = (grpc.StatusCode.UNAVAILABLE, "replica died", 2)
+    r = httpx.post(f"{gateway.base_url}/chat/completions",
+                   json={"model": MODEL, "messages": USER, "stream": True}, timeout=10)
+    assert r.status_code == 200
+    events = [e[6:] for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert '"error"' in events[-2] and "replica died" in events[-2]
+    content = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]
+    assert "".join(c or "" for c in content) == "".join(WORDS[:2])
+    with pytest.raises(openai.APIError, match="replica died"):
+        list(client.chat.completions.create(model=MODEL, messages=USER, stream=True))
+    assert _inflight(gateway) == (0, 0)
+
+
+async def test_gateway_full_is_503_with_retry_after_and_slots_come_back(small_gateway):
+    h = small_gateway
+    h.state.gate = h.call(asyncio.Event)
+    async with openai.AsyncOpenAI(base_url=h.base_url, api_key="x", max_retries=0) as c:
+        held = asyncio.ensure_future(c.chat.completions.create(model=MODEL, messages=USER, n=2))
+        assert await asyncio.to_thread(h.state.received.wait, 5)
+        assert _inflight(h)[0] == 2
+        with pytest.raises(openai.InternalServerError) as e:
+            await c.chat.completions.create(model=MODEL, messages=USER)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "overloaded"
+        with pytest.raises(openai.BadRequestError) as e:  # can never fit: not "retry later"
+            await c.chat.completions.create(model=MODEL, messages=USER, n=3)
+        assert e.value.body["code"] == "request_too_large"
+        h.call(h.state.gate.set)
+        assert len((await held).choices) == 2
+        assert _inflight(h) == (0, 0)
+        r = await c.chat.completions.create(model=MODEL, messages=USER, n=2)
+        assert len(r.choices) == 2
+    root = h.base_url.removesuffix("/v1")
+    assert 'kvmesh_gateway_rejected_total{reason="inflight_requests"}' in httpx.get(f"{root}/metrics").text
+
+
+async def test_prompt_token_budget_is_enforced(small_gateway):
+    h = small_gateway
+    h.state.gate = h.call(asyncio.Event)
+    async with openai.AsyncOpenAI(base_url=h.base_url, api_key="x", max_retries=0) as c:
+        held = asyncio.ensure_future(c.completions.create(model=MODEL, prompt="x" * 200, max_tokens=1))
+        assert await asyncio.to_thread(h.state.received.wait, 5)
+        assert _inflight(h) == (1, 200)
+        with pytest.raises(openai.InternalServerError) as e:
+            await c.completions.create(model=MODEL, prompt="y" * 150, max_tokens=1)
+        assert e.value.status_code == 503
+        h.call(h.state.gate.set)
+        await held
+    assert _inflight(h) == (0, 0)
