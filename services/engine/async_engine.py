@@ -9,17 +9,31 @@ throttles its spin-wait to ~100 iterations: workers sleep between the ~500 small
 decode step and each op pays a futex wake-up. Measured on 2 cores: fp32 decode 17 tok/s with
 two teams, 31 tok/s with one.
 
-The two sides talk through a locked inbox (adds, aborts and probes, applied between steps, so the
-core stays single-threaded) and per-request asyncio queues filled with `call_soon_threadsafe`.
-A probe is answered through a Future by the step loop before its next step, so it waits at
-most for the step in flight. When a consumer goes away (client cancel,
-deadline), its generator's `finally` posts an abort, which frees the request's blocks at the next
-step boundary.
+The two sides talk through a locked inbox (adds and aborts, applied between steps, so the core
+stays single-threaded) and per-request asyncio queues filled with `call_soon_threadsafe`. When a
+consumer goes away (client cancel, deadline), its generator's `finally` posts an abort, which
+frees the request's blocks at the next step boundary.
+
+NOTE: probes never wait for the step loop. A router probes before placing every request, with a
+deadline (~0.2 s) shorter than one prefill step can take on a CPU, so `probe` answers on the
+event-loop thread from two reads that are safe while the step loop runs:
+  * load: an immutable EngineLoad the step loop publishes (one reference assignment, atomic)
+    after every inbox application and every step, plus the adds still in the inbox (read under
+    the inbox lock). It is exact as of the last step boundary.
+  * cached prefix: BlockManager.match_prefix only reads -- `_cached.get` (atomic under the GIL)
+    and the found block's `key` (one attribute read), compared with the key it expects -- and
+    never iterates a container the step loop mutates. The step loop registers a block's key
+    before its hash (`cache_full_blocks`) and unregisters the hash before clearing the key
+    (`_pop_free`), so a hit is a block that held exactly this prefix chunk at the moment it was
+    read; the answer can only be stale by the step in flight (a block evicted or cached during
+    it), and admission matches again anyway. (This relies on the GIL: revisit for free-threaded
+    builds.)
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -29,7 +43,7 @@ from typing import AsyncIterator, Callable
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.kv.codec import CodecSpec
-from kvmesh.services.engine.core import EngineCore, EngineRequest, ProbeResult, RequestOutput
+from kvmesh.services.engine.core import EngineCore, EngineLoad, EngineRequest, ProbeResult, RequestOutput
 from kvmesh.services.engine.kv_connector import parse_codec
 from kvmesh.services.engine.sampling import SamplingParams
 
@@ -55,6 +69,7 @@ class AsyncEngine:
                                         name="engine-step-loop", daemon=True)
         self._thread.start()
         self.core: EngineCore  # set by the step-loop thread before it signals `built`
+        self._load: EngineLoad  # likewise; then republished at every step boundary
         built.result()  # re-raises what `build` raised
 
     # ---- asyncio side ------------------------------------------------------------------------
@@ -114,18 +129,19 @@ class AsyncEngine:
             if self._idle is not None and not self._streams:
                 self._idle.set()
 
-    async def probe(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> ProbeResult:
-        """The prompt's reusable cached prefix and the engine's load, read on the step-loop
-        thread between two steps (Unavailable while draining: place requests elsewhere)."""
+    def probe(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> ProbeResult:
+        """The prompt's reusable cached prefix and the engine's load, without waiting for the
+        step in flight (see the NOTE); Unavailable while draining: place requests elsewhere."""
         if self._draining or self._stopping:
             raise Unavailable("the engine is draining for shutdown; place the request on another replica")
-        answer: concurrent.futures.Future[ProbeResult] = concurrent.futures.Future()
         with self._cond:
-            if self._stopping:  # checked under the lock: the stopped loop never sees a later post
-                raise Unavailable("the engine stopped; place the request on another replica")
-            self._inbox.append(("probe", (list(prompt_token_ids), cache_salt, answer)))
-            self._cond.notify()
-        return await asyncio.wrap_future(answer)
+            queued = [req for kind, req in self._inbox if kind == "add"]
+        load = self._load
+        if queued:  # posted, not yet applied: they wait at least until the next step boundary
+            load = dataclasses.replace(
+                load, waiting=load.waiting + len(queued),
+                pending_prefill_tokens=load.pending_prefill_tokens + sum(len(r.prompt_token_ids) for r in queued))
+        return ProbeResult(self.core.cached_prefix_tokens(prompt_token_ids, cache_salt), load)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a queued or running request; the consumer receives a final 'abort' output."""
@@ -170,27 +186,22 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _apply_inbox(self) -> None:
+        """Applies every posted add and abort, then publishes the load, all under the inbox lock
+        (adds and aborts are cheap): a probe sees each add either in the inbox or in the load."""
         with self._cond:
-            items = list(self._inbox)
-            self._inbox.clear()
-        for kind, payload in items:
-            if kind == "add":
-                req: EngineRequest = payload  # type: ignore[assignment]
-                try:
-                    self.core.add_request(req)
-                except Exception as exc:  # noqa: BLE001 - delivered to the caller as its error
-                    self._deliver(exc, req.request_id)
-            elif kind == "probe":
-                ids, salt, answer = payload  # type: ignore[misc]
-                if answer.set_running_or_notify_cancel():  # False: the caller gave up already
+            for kind, payload in self._inbox:
+                if kind == "add":
+                    req: EngineRequest = payload  # type: ignore[assignment]
                     try:
-                        answer.set_result(self.core.probe(ids, salt))
-                    except Exception as exc:  # noqa: BLE001 - raised in the caller
-                        answer.set_exception(exc)
-            else:
-                out = self.core.abort(payload)  # type: ignore[arg-type]
-                if out is not None:
-                    self._deliver(out, out.request_id)
+                        self.core.add_request(req)
+                    except Exception as exc:  # noqa: BLE001 - delivered to the caller as its error
+                        self._deliver(exc, req.request_id)
+                else:
+                    out = self.core.abort(payload)  # type: ignore[arg-type]
+                    if out is not None:
+                        self._deliver(out, out.request_id)
+            self._inbox.clear()
+            self._load = self.core.load()
 
     def _run(self, build: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
         try:
@@ -199,6 +210,7 @@ class AsyncEngine:
             built.set_exception(exc)
             return
         self.core = core
+        self._load = core.load()
         built.set_result(core)
         while True:
             with self._cond:
@@ -215,20 +227,19 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - a failed step must not kill the engine
                 log.exception("engine step failed; aborting the requests in that batch")
                 self._abort_all(RuntimeError("engine step failed; see engine logs"))
+                self._load = self.core.load()
                 continue
+            self._load = self.core.load()
             if self.on_step is not None:
                 self.on_step(self.core, outputs, time.perf_counter() - t0)
             for out in outputs:
                 self._deliver(out, out.request_id)
         self._abort_all(Unavailable("the engine stopped"))
-        with self._cond:  # what was posted too late: refuse it, so no caller waits forever
-            left = list(self._inbox)
+        with self._cond:  # adds posted too late: refuse them, so no caller waits forever
+            left = [payload for kind, payload in self._inbox if kind == "add"]
             self._inbox.clear()
-        for kind, payload in left:
-            if kind == "add":
-                self._deliver(Unavailable("the engine stopped"), payload.request_id)  # type: ignore[attr-defined]
-            elif kind == "probe" and payload[2].set_running_or_notify_cancel():  # type: ignore[index]
-                payload[2].set_exception(Unavailable("the engine stopped"))  # type: ignore[index]
+        for req in left:
+            self._deliver(Unavailable("the engine stopped"), req.request_id)  # type: ignore[attr-defined]
 
     def _abort_all(self, error: BaseException) -> None:
         for request_id in self.core.request_ids():

@@ -65,12 +65,9 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class ProbeResult:
-    """What a router needs to place a request on this engine: reusable prefix and load."""
+class EngineLoad:
+    """How busy the engine is, as of one step boundary."""
 
-    cached_tokens: int
-    """Leading prompt tokens an admission now would take from the prefix cache: whole blocks,
-    never the prompt's last token (it is always computed, for its logits)."""
     running: int
     waiting: int
     pending_prefill_tokens: int
@@ -78,6 +75,16 @@ class ProbeResult:
     free_blocks: int
     """Blocks no sequence owns (cached-but-free blocks included: they are reusable)."""
     num_blocks: int
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a router needs to place a request on this engine: reusable prefix and load."""
+
+    cached_tokens: int
+    """Leading prompt tokens an admission now would take from the prefix cache: whole blocks,
+    never the prompt's last token (it is always computed, for its logits)."""
+    load: EngineLoad
 
 
 @dataclass
@@ -162,26 +169,29 @@ class EngineCore:
         return self._final(state, "abort", "")
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: bytes) -> int:
-        """How many leading prompt tokens the engine's prefix cache holds now.
+        """How many leading prompt tokens the engine's prefix cache holds now (what an admission
+        would reuse: see ProbeResult.cached_tokens). Changes nothing: no ref count, no LRU order,
+        no hit statistics.
 
-        A hint, safe to ask from the event-loop thread while the step loop runs: it only reads
-        (dict lookups are atomic under the GIL), and a stale answer only changes what the KV
-        connector fetches -- admission matches the prefix again and uses what is really there.
+        A hint, safe to ask from the event-loop thread while the step loop runs (see the NOTE in
+        async_engine); a stale answer only misleads a placement or what the KV connector
+        fetches -- admission matches the prefix again and uses what is really there.
         """
         probe = Sequence(request_id="", prompt_token_ids=list(prompt_token_ids), cache_salt=cache_salt)
         return self.block_manager.match_prefix(probe)[1]
 
-    def probe(self, prompt_token_ids: list[int], cache_salt: bytes) -> ProbeResult:
-        """The prefix-cache hit a prompt would get now, and the engine's load.
-
-        Read-only: ref counts, the free queue's LRU order and hit statistics are untouched. Call
-        it on the thread that steps the core (it walks the scheduler's queues)."""
+    def load(self) -> EngineLoad:
+        """The engine's load now. Call it on the thread that steps the core (it walks the
+        scheduler's queues); AsyncEngine publishes it at every step boundary."""
         sched, bm = self.scheduler, self.block_manager
-        return ProbeResult(
-            cached_tokens=self.cached_prefix_tokens(prompt_token_ids, cache_salt),
-            running=sched.num_running, waiting=sched.num_waiting,
-            pending_prefill_tokens=sched.num_pending_prefill_tokens,
-            free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
+        return EngineLoad(running=sched.num_running, waiting=sched.num_waiting,
+                          pending_prefill_tokens=sched.num_pending_prefill_tokens,
+                          free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks)
+
+    def probe(self, prompt_token_ids: list[int], cache_salt: bytes) -> ProbeResult:
+        """The prefix-cache hit a prompt would get now, and the engine's load (read-only; on
+        the thread that steps the core)."""
+        return ProbeResult(self.cached_prefix_tokens(prompt_token_ids, cache_salt), self.load())
 
     def request_ids(self) -> list[str]:
         """Ids of every queued or running request."""

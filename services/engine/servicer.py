@@ -111,11 +111,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Probe(self, request: engine_pb2.ProbeRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.ProbeResponse:
         _reject_unknown_fields(request, "ProbeRequest")
-        r = await self.engine.probe(list(request.token_ids.ids), request.cache_salt.encode())
+        r = self.engine.probe(list(request.token_ids.ids), request.cache_salt.encode())
+        load = r.load
         return engine_pb2.ProbeResponse(
-            cached_tokens=r.cached_tokens, running=r.running, waiting=r.waiting,
-            pending_prefill_tokens=r.pending_prefill_tokens, free_blocks=r.free_blocks,
-            num_blocks=r.num_blocks)
+            cached_tokens=r.cached_tokens, running=load.running, waiting=load.waiting,
+            pending_prefill_tokens=load.pending_prefill_tokens, free_blocks=load.free_blocks,
+            num_blocks=load.num_blocks)
 
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:

@@ -12,6 +12,9 @@ class _IdleCore:
     def request_ids(self):
         return []
 
+    def load(self):
+        return None
+
 
 def test_core_is_built_on_the_step_loop_thread_and_build_errors_are_raised():
     seen = {}

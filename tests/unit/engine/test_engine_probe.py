@@ -1,4 +1,5 @@
-"""EngineCore.probe / AsyncEngine.probe: cached prefix (read-only) and load, on a tiny model."""
+"""EngineCore.probe / AsyncEngine.probe: cached prefix (read-only) and load, on a tiny model; the
+async probe answers without waiting for the step in flight."""
 import asyncio
 import threading
 import time
@@ -8,7 +9,7 @@ import pytest
 from engine_utils import greedy, load_tiny, make_core, make_tiny_checkpoint, run_all
 from kvmesh.errors import Unavailable
 from kvmesh.services.engine.async_engine import AsyncEngine
-from kvmesh.services.engine.core import EngineRequest
+from kvmesh.services.engine.core import EngineLoad, EngineRequest
 
 BS = 16
 
@@ -43,60 +44,64 @@ def test_probe_counts_whole_cached_blocks_and_changes_nothing(tiny):
 
 def test_probe_load_fields(tiny):
     core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=16, max_num_seqs=1)
-    idle = core.probe([1, 2, 3], b"")
-    assert (idle.running, idle.waiting, idle.pending_prefill_tokens) == (0, 0, 0)
-    assert idle.free_blocks == idle.num_blocks == 64
+    idle = core.probe([1, 2, 3], b"").load
+    assert idle == EngineLoad(running=0, waiting=0, pending_prefill_tokens=0, free_blocks=64, num_blocks=64)
     now = time.monotonic()
     core.add_request(EngineRequest("a", _prompt(40), greedy(50, ignore_eos=True), now))
     core.add_request(EngineRequest("b", _prompt(30, 1), greedy(5, ignore_eos=True), now))
-    p = core.probe([1], b"")
-    assert (p.running, p.waiting, p.pending_prefill_tokens) == (0, 2, 70)
+    assert core.load() == EngineLoad(0, 2, 70, 64, 64)
     core.step()                                   # "a" admitted: 16 of its 40 prompt tokens
-    p = core.probe([1], b"")
-    assert (p.running, p.waiting, p.pending_prefill_tokens) == (1, 1, 24 + 30)
-    assert p.free_blocks == 63                    # one block holds a's first 16 tokens
+    assert core.load() == EngineLoad(1, 1, 24 + 30, 63, 64)
     core.step()
     core.step()                                   # a's prefill done, first token sampled
-    p = core.probe([1], b"")
-    assert (p.running, p.waiting, p.pending_prefill_tokens) == (1, 1, 30)
-    assert p.free_blocks == 64 - 3
+    assert core.load() == EngineLoad(1, 1, 30, 61, 64)
 
 
-def test_async_probe_answers_between_steps_from_the_step_loop(tiny):
-    core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=64, max_num_seqs=4)
-    seen = []
-    real_probe = core.probe
+def test_async_probe_does_not_wait_for_the_step_in_flight(tiny):
+    core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=64, max_num_seqs=1)
+    warm = _prompt(50)
+    run_all(core, {"warm": warm}, greedy(2, ignore_eos=True))
+    in_step, release = threading.Event(), threading.Event()
+    real_step = core.step
 
-    def probe(ids, salt):
-        seen.append(threading.current_thread().name)
-        return real_probe(ids, salt)
+    def gated_step():                             # the first step blocks until released
+        in_step.set()
+        release.wait(10)
+        return real_step()
 
-    core.probe = probe
+    core.step = gated_step
     engine = AsyncEngine(lambda: core, max_waiting=8)
 
     async def scenario():
-        prompt = _prompt(50)
-        stream = engine.generate(prompt, greedy(400, ignore_eos=True), "busy")
-        await stream.__anext__()                 # running and decoding
+        first = engine.generate(_prompt(40, 1), greedy(300, ignore_eos=True), "first")
+        second = engine.generate(_prompt(30, 2), greedy(5, ignore_eos=True), "second")
+        pulls = [asyncio.ensure_future(first.__anext__())]
+        assert await asyncio.to_thread(in_step.wait, 10)      # "first" applied, its step blocked
+        pulls.append(asyncio.ensure_future(second.__anext__()))
+        while engine.num_requests < 2:
+            await asyncio.sleep(0)                # "second" posted: sits in the inbox
         t0 = time.perf_counter()
-        busy = await asyncio.wait_for(engine.probe(prompt, b""), 5)
+        during = engine.probe(warm, b"")
         waited = time.perf_counter() - t0
-        await stream.aclose()                    # cancel: abort posted
-        return busy, waited
+        release.set()
+        await pulls[0]                            # "first" decodes now; "second" waits (1 seq max)
+        after = engine.probe(warm, b"")
+        pulls[1].cancel()                         # ends "second" (its finally posts the abort)
+        await asyncio.gather(pulls[1], return_exceptions=True)
+        await first.aclose()
+        return during, waited, after
 
     try:
-        busy, waited = asyncio.run(scenario())
+        during, waited, after = asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert seen == ["engine-step-loop"]
-    assert busy.running == 1 and busy.cached_tokens == 48 and busy.free_blocks < busy.num_blocks
-    assert waited < 1.0
-
-    async def after_stop():
-        return await engine.probe([1, 2], b"")
+    assert waited < 0.05 and during.cached_tokens == 48
+    assert (during.load.running, during.load.waiting, during.load.pending_prefill_tokens) == (0, 2, 70)
+    assert (after.load.running, after.load.waiting, after.load.pending_prefill_tokens) == (1, 1, 30)
+    assert after.load.free_blocks < after.load.num_blocks
 
     with pytest.raises(Unavailable):
-        asyncio.run(after_stop())
+        engine.probe([1, 2], b"")                 # stopped
 
 
 def test_async_probe_refused_while_draining(tiny):
@@ -104,14 +109,14 @@ def test_async_probe_refused_while_draining(tiny):
     engine = AsyncEngine(lambda: core, max_waiting=8)
 
     async def scenario():
-        ok = await engine.probe([1, 2, 3], b"")
+        ok = engine.probe([1, 2, 3], b"")
         await engine.drain(0.1)
         with pytest.raises(Unavailable):
-            await engine.probe([1, 2, 3], b"")
+            engine.probe([1, 2, 3], b"")
         return ok
 
     try:
         ok = asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert ok.num_blocks == 16 and ok.cached_tokens == 0
+    assert ok.load.num_blocks == 16 and ok.cached_tokens == 0
