@@ -6,11 +6,11 @@ import os
 
 import torch
 
+from kvmesh.config import ConfigError
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import KvLayout
 from kvmesh.kv.rope import STORED_KEYS
-from kvmesh.config import ConfigError
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
