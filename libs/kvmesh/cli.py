@@ -7,20 +7,22 @@ import json
 import sys
 import time
 
-DEFAULT_ENGINE = "127.0.0.1:50061"
-
-
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvmesh import launcher
 
+    plan = launcher.StackPlan(
+        ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
+                                  engine=args.engine_port, kvcache=args.kvcache_port),
+        replicas=args.replicas, cascade=args.cascade, engine_args=tuple(args.engine_arg),
+        kvcache_args=tuple(args.kvcache_arg), router_args=tuple(args.router_arg),
+        gateway_args=tuple(args.gateway_arg))
     try:
-        procs = launcher.up(args.engine_arg, port=args.engine_port, kvcache_port=args.kvcache_port,
-                            kvcache_args=args.kvcache_arg)
+        procs = launcher.up(plan)
     except launcher.LaunchError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 1
     for p in procs:
-        print(f"{p.name:8s} pid {p.pid:<7d} {p.address}  log {p.log}")
+        print(f"{p.name:12s} pid {p.pid:<7d} {p.address:16s} {p.url or ''}  log {p.log}")
     return 0
 
 
@@ -43,60 +45,52 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for p in procs:
         state = launcher.health(p.address) if launcher.alive(p.pid) else "EXITED"
         worst = worst or (state != "SERVING")
-        print(f"{p.name:8s} pid {p.pid:<7d} {p.address:22s} {state}")
+        print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}")
     return 1 if worst else 0
 
 
-async def _stream(target: str, request, timeout_s: float):
-    import grpc
-
-    from kvmesh.engine.v1 import engine_pb2_grpc
-
-    async with grpc.aio.insecure_channel(target) as ch:
-        stub = engine_pb2_grpc.EngineServiceStub(ch)
-        async for msg in stub.Generate(request, timeout=timeout_s):
-            yield msg
-
-
 def _cmd_chat(args: argparse.Namespace) -> int:
-    """Sends one chat turn (the model's chat template) to the engine, streams the answer."""
-    import grpc
+    """Sends one chat turn through the gateway's OpenAI API and streams the answer."""
+    import os
 
-    from kvmesh.engine.v1 import engine_pb2
-    from kvmesh.model.loader import load_tokenizer
+    import openai
 
-    tok = load_tokenizer(args.model)
-    text = tok.apply_chat_template([{"role": "user", "content": args.message}],
-                                   add_generation_prompt=True)
-    req = engine_pb2.GenerateRequest(
-        token_ids=engine_pb2.TokenIds(ids=tok.encode(text)),
-        sampling=engine_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    from kvmesh import launcher
 
-    async def run() -> int:
-        t0 = time.perf_counter()
-        final = None
-        first = None
-        n = 0
-        async for msg in _stream(args.engine, req, args.timeout):
-            if msg.token_ids and first is None:
-                first = time.perf_counter()
-            n += len(msg.token_ids)
-            print(msg.text, end="", flush=True)
-            if msg.HasField("final"):
-                final = msg.final
-        print()
-        end = time.perf_counter()
-        decode = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
-        print(f"[{n} tokens · prompt {final.usage.prompt_tokens} tokens · time to first token "
-              f"{(first or end) - t0:.3f}s · decode {decode:.1f} tok/s · end-to-end {end - t0:.2f}s]",
+    base_url = args.url or launcher.openai_base_url()
+    if base_url is None:
+        print("kvmesh chat: the local stack is not running ('kvmesh up' starts it) and no --url was given",
               file=sys.stderr)
-        return 0
-
-    try:
-        return asyncio.run(run())
-    except grpc.aio.AioRpcError as err:
-        print(f"kvmesh chat: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"),
+                           timeout=args.timeout, max_retries=0)
+    model = args.model or client.models.list().data[0].id
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": args.message}], max_tokens=args.max_tokens,
+            temperature=args.temperature, stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first or time.perf_counter()
+                    print(choice.delta.content, end="", flush=True)
+    except openai.APIError as err:
+        print(f"\nkvmesh chat: {err}", file=sys.stderr)
+        return 1
+    print()
+    end = time.perf_counter()
+    n = usage.completion_tokens if usage else 0
+    decode = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
+    print(f"[{model} · {n} tokens · prompt {usage.prompt_tokens if usage else '?'} tokens ({cached} cached) · "
+          f"time to first token {(first or end) - t0:.3f}s · decode {decode:.1f} tok/s · "
+          f"end-to-end {end - t0:.2f}s]", file=sys.stderr)
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -115,27 +109,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start the local stack (detached) and wait until it is ready")
-    up.add_argument("--engine-arg", action="append", default=[],
-                    help="extra flag for the engine (repeatable), e.g. --engine-arg=--weights=int8")
-    up.add_argument("--engine-port", type=int, default=50061, help="engine gRPC port")
-    up.add_argument("--kvcache-arg", action="append", default=[],
-                    help="extra flag for the KV-cache service (repeatable), e.g. --kvcache-arg=--memory-bytes=1073741824")
-    up.add_argument("--kvcache-port", type=int, default=50071, help="KV-cache service gRPC port")
+    up.add_argument("--replicas", type=int, default=1, help="engine replicas of the full model")
+    up.add_argument("--cascade", action="store_true",
+                    help="also start a cheap tier (int4 weights) and a cascade route 'auto' over both tiers")
+    for svc, example in (("engine", "--weights=int8"), ("kvcache", "--memory-bytes=1073741824"),
+                         ("router", "--policy=round_robin"), ("gateway", "--keys-file=keys.json")):
+        up.add_argument(f"--{svc}-arg", action="append", default=[],
+                        help=f"extra flag for the {svc} (repeatable), e.g. --{svc}-arg={example}")
+    for svc, port in (("http", 8000), ("gateway", 50051), ("router", 50081), ("engine", 50061),
+                      ("kvcache", 50071)):
+        up.add_argument(f"--{svc}-port", type=int, default=port,
+                        help=f"{svc} port" + (" (OpenAI API)" if svc == "http" else " (gRPC)"))
     up.set_defaults(fn=_cmd_up)
     sub.add_parser("down", help="stop the local stack gracefully").set_defaults(fn=_cmd_down)
     sub.add_parser("status", help="health of each local service").set_defaults(fn=_cmd_status)
 
-    chat = sub.add_parser("chat", help="send one chat message to the engine and stream the answer")
+    chat = sub.add_parser("chat", help="send one chat message through the gateway and stream the answer")
     chat.add_argument("message")
-    chat.add_argument("--engine", default=DEFAULT_ENGINE, help="engine gRPC address")
-    chat.add_argument("--model", default="bundled", help="model source (for its tokenizer and chat template)")
+    chat.add_argument("--url", help="OpenAI base URL (default: the running local stack's gateway)")
+    chat.add_argument("--model", help="model name (default: the first the gateway lists)")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     chat.set_defaults(fn=_cmd_chat)
 
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
     bench.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     bench.set_defaults(fn=_cmd_bench)

@@ -31,6 +31,7 @@ class ServiceProc:
     pid: int
     address: str
     log: str
+    url: str = ""
 
 
 class LaunchError(RuntimeError):
@@ -136,28 +137,99 @@ def stop_service(svc: ServiceProc, timeout_s: float = 20.0) -> bool:
     return True
 
 
-def up(engine_args: list[str], *, port: int = 50061, kvcache_port: int = 50071,
-       kvcache_args: list[str] | None = None) -> list[ServiceProc]:
-    """Starts the local stack unless it is already running: the KV-cache service (LMDB under the
-    data directory), then the engine linked to it. Returns the processes in start order."""
+@dataclass(frozen=True)
+class StackPorts:
+    """Where the local stack listens (127.0.0.1). Engine replicas take consecutive ports from
+    `engine`; the cheap cascade tier's engine the ones after them."""
+
+    http: int = 8000
+    gateway: int = 50051
+    router: int = 50081
+    engine: int = 50061
+    kvcache: int = 50071
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """What `kvmesh up` starts: the KV-cache service, `replicas` engines of the full model (one
+    router tier), optionally a cheap tier (int4 weights) with a cascade route over both, the
+    router and the gateway. Extra flags go to every process of one kind."""
+
+    ports: StackPorts = StackPorts()
+    replicas: int = 1
+    cascade: bool = False
+    engine_args: tuple[str, ...] = ()
+    cheap_args: tuple[str, ...] = ("--weights", "int4")
+    kvcache_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    served_name: str = "smollm2-135m-instruct"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+
+def _threads_per_engine(engines: int) -> str:
+    # NOTE: torch slows 10-50x when processes together run more OpenMP threads than there are
+    # cores. One engine gets all cores; several split them; the other services run one thread.
+    return str(max(1, (os.cpu_count() or 1) // engines))
+
+
+def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
+    """Starts the local stack unless it is already running — the KV-cache service (LMDB under the
+    data directory), the engines linked to it, the router over them and the gateway (OpenAI HTTP
+    on 127.0.0.1:`ports.http`) — each waited on until healthy. Returns them in start order."""
     running = [p for p in load_state() if alive(p.pid)]
     if running:
         return running
+    ports = plan.ports
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    engines = plan.replicas + (1 if plan.cascade else 0)
+    threads = _threads_per_engine(engines)
     procs: list[ServiceProc] = []
     try:
-        # The KV service mostly waits on I/O: one torch thread, the cores go to the engine.
         kv = start_service("kvcache", "kvmesh.services.kvcache",
-                           ["--data-dir", str(data_dir() / "kvcache"), *(kvcache_args or [])], kvcache_port,
-                           env={"OMP_NUM_THREADS": "1"})
+                           ["--data-dir", str(data_dir() / "kvcache"), *plan.kvcache_args], ports.kvcache,
+                           env=one_thread)
         procs.append(kv)
-        procs.append(start_service("engine", "kvmesh.services.engine",
-                                   ["--kvcache-address", kv.address, *engine_args], port))
+        common = ["--kvcache-address", kv.address, "--threads", threads, "--served-name", plan.served_name]
+        full = []
+        for i in range(plan.replicas):
+            name = "engine" if plan.replicas == 1 else f"engine-{i}"
+            full.append(start_service(name, "kvmesh.services.engine", [*common, *plan.engine_args],
+                                      ports.engine + i))
+        procs.extend(full)
+        tiers = f"{plan.served_name}={','.join(p.address for p in full)}@1.0"
+        router_args = ["--tiers", tiers]
+        if plan.cascade:
+            cheap = start_service("engine-cheap", "kvmesh.services.engine",
+                                  [*common, *plan.cheap_args, *plan.engine_args], ports.engine + plan.replicas)
+            procs.append(cheap)
+            tiers = f"{tiers};cheap={cheap.address}@0.6"  # the full model first: the default
+            router_args = ["--tiers", tiers, "--cascades", f"auto=cheap,{plan.served_name}",
+                           "--default-model", plan.served_name]
+        router = start_service("router", "kvmesh.services.router", [*router_args, *plan.router_args],
+                               ports.router, env=one_thread)
+        procs.append(router)
+        gw = start_service("gateway", "kvmesh.services.gateway",
+                           ["--router-address", router.address, "--http-port", str(ports.http),
+                            *plan.gateway_args], ports.gateway, env=one_thread)
+        procs.append(ServiceProc(gw.name, gw.pid, gw.address, gw.log, url=f"http://127.0.0.1:{ports.http}/v1"))
     except LaunchError:
         for p in reversed(procs):
             stop_service(p)
         raise
     _save_state(procs)
     return procs
+
+
+def openai_base_url() -> str | None:
+    """The running local stack's OpenAI-compatible base URL (None when it is not running)."""
+    for p in load_state():
+        if p.url and alive(p.pid):
+            return p.url
+    return None
 
 
 def down() -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -103,7 +104,13 @@ class Router:
         if name in self.pools:
             stream = self._tier(name, request, req.prompt_text)
         elif name in self._cascades:
-            stream = self._cascade(self._cascades[name], request, req.prompt_text)
+            knobs = self.knobs
+            if req.HasField("cascade_threshold"):
+                if not req.cascade_threshold <= 0:
+                    raise InvalidArgument(f"cascade_threshold {req.cascade_threshold} can never be met: "
+                                          "confidence signals are log-probabilities (<= 0); use a value <= 0")
+                knobs = dataclasses.replace(knobs, threshold=req.cascade_threshold)
+            stream = self._cascade(self._cascades[name], request, req.prompt_text, knobs)
         else:
             raise NotFound(f"model {req.model!r} is not served here; use one of "
                            f"{', '.join(self.topology.model_names)} (or leave it empty for "
@@ -150,9 +157,8 @@ class Router:
                     yield response
 
     async def _cascade(self, route: Cascade, request: engine_pb2.GenerateRequest,
-                       prompt_text: str) -> AsyncIterator[router_pb2.RouteResponse]:
+                       prompt_text: str, knobs: CascadeKnobs) -> AsyncIterator[router_pb2.RouteResponse]:
         """Run the route's tiers cheapest first (see the NOTE in `cascade`)."""
-        knobs = self.knobs
         plan = cascade.plan(route.tiers, prompt_tokens(request, prompt_text),
                             knobs.difficulty_prompt_tokens, knobs.threshold)
         steps = list(plan.skipped)

@@ -268,6 +268,23 @@ async def test_cascade_escalates_a_low_confidence_answer_and_streams_only_the_ke
     assert msgs[-1].response.final.usage.completion_tokens == 2  # the kept tier's usage
 
 
+async def test_a_request_may_set_its_own_cascade_threshold():
+    async with fake_engines(Script(logprobs=[-0.3, -0.3, -0.3]), Script()) as (cheap, strong):
+        async with serving_router(cascade_config(cheap, strong)) as r:   # router threshold -0.5
+            strict = route_request()
+            strict.cascade_threshold = -0.1
+            escalated = await r.collect(strict)
+            kept = await r.collect(route_request())
+            bad = route_request()
+            bad.cascade_threshold = 0.5
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.collect(bad)
+    assert [(s.tier, s.reason, s.threshold) for s in escalated[0].route.cascade] == \
+        [("cheap", "low_confidence", pytest.approx(-0.1)), ("strong", "last_tier", pytest.approx(-0.1))]
+    assert [(s.tier, s.reason) for s in kept[0].route.cascade] == [("cheap", "confident")]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<= 0" in err.value.details()
+
+
 async def test_cascade_keeps_the_logprobs_the_client_asked_for():
     async with fake_engines(Script(top=[[-0.01, -6, -7, -8, -9]] * 3), Script()) as (cheap, strong):
         cfg = cascade_config(cheap, strong, cascade_signal="neg_entropy", cascade_threshold=-0.5)
