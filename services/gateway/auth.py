@@ -163,9 +163,14 @@ class KeyStore:
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
-        if self.path is None or now - self._checked < _RELOAD_CHECK_S:
+        if now - self._checked >= _RELOAD_CHECK_S:
+            self._checked = now
+            self.reload_if_changed()
+
+    def reload_if_changed(self) -> None:
+        """Re-read the keys file now if its modification time changed (errors are logged)."""
+        if self.path is None:
             return
-        self._checked = now
         try:
             if os.stat(self.path).st_mtime_ns != self._mtime_ns:
                 self._load()

@@ -75,8 +75,12 @@ class TraceMiddleware:
 
 def create_app(gateway: Gateway, *, serve_metrics: bool = True) -> FastAPI:
     """The HTTP application for `gateway`."""
+    # FastAPI's own OpenTelemetry (newer releases) is off: TraceMiddleware opens the one SERVER
+    # span per request, on any FastAPI version, and leaves probes untraced.
     app = FastAPI(title="kvmesh gateway", summary="OpenAI-compatible API of kvmesh",
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False,
+                             "operation_spans": False})
     app.add_middleware(TraceMiddleware)
     retry_after = gateway.options.retry_after_s
 

@@ -90,6 +90,11 @@ class Generation:
     def choices(self) -> int:
         return len(self._jobs)
 
+    @property
+    def upstream_requests(self) -> list[router_pb2.RouteRequest]:
+        """The RouteRequest of every choice, in choice order."""
+        return [job.request for job in self._jobs]
+
     def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas as they arrive (single use)."""
         if self._stream is not None:

@@ -138,12 +138,19 @@ class ChoiceFinal:
 
 async def run_choice(router: RouterClient, job: ChoiceJob
                      ) -> AsyncIterator[ChoiceDelta | ChoiceFinal]:
-    """Stream one choice: its deltas (the last with finish_reason), then its ChoiceFinal."""
+    """Stream one choice: its deltas (the last with finish_reason), then its ChoiceFinal.
+
+    The stream is read to its end (the router closes it right after the final message), so a
+    finished call ends OK on both sides rather than being cancelled.
+    """
     call = router.generate(job.request)
     first = True
+    final: ChoiceFinal | None = None
     try:
         async for msg in call:
             out: engine_pb2.GenerateResponse = msg.response
+            if final is not None:
+                continue  # nothing may follow the final message; ignore it if it does
             echo = None
             if first and job.echo is not None:
                 echo = job.echo
@@ -159,17 +166,18 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                                    "the engine aborted the request (it may be draining); retry",
                                    retry_after=1)
                 finish = _FINISH[out.final.finish_reason]
+                u = out.final.usage
+                final = ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
+                                    u.cached_prompt_tokens)
             if first or out.text or out.token_ids or finish:
                 yield ChoiceDelta(job.index, out.text, tuple(out.token_ids),
                                   _logprobs(out.logprobs), finish, echo, first)
                 first = False
-            if finish is not None:
-                u = out.final.usage
-                yield ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
-                                  u.cached_prompt_tokens)
-                return
-        raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                       "the router's stream ended without a final message; retry", retry_after=1)
+        if final is None:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                           "the router's stream ended without a final message; retry",
+                           retry_after=1)
+        yield final
     finally:
         if not call.done():
             call.cancel()
