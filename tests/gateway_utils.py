@@ -85,6 +85,8 @@ class FakeRouterState:
         router_pb2.ModelCard(id="cascade", root="tiny-root", max_model_len=MAX_MODEL_LEN,
                              kind="cascade", tiers=[MODEL, "big"])])
     cached_tokens: int = 0
+    models_fail: grpc.StatusCode | None = None
+    """Answer ListModels with this code (e.g. UNAVAILABLE: the router looks down)."""
     fail: tuple[grpc.StatusCode, str, int] | None = None
     """(code, message, after how many tokens) to abort every Generate with."""
     hang: bool = False
@@ -105,6 +107,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     async def ListModels(self, request, context):
         self.state.list_calls += 1
+        if self.state.models_fail is not None:
+            await context.abort(self.state.models_fail, "router is down")
         return router_pb2.ListModelsResponse(models=self.state.models)
 
     def _logprobs(self, token_id: int, text: str, k: int, position: int) -> engine_pb2.TokenLogprobs:

@@ -9,7 +9,7 @@ made for it joins the same trace.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import grpc
@@ -27,7 +27,12 @@ from kvmesh.errors import KvmeshError
 from kvmesh.services.gateway.auth import bearer_token
 from kvmesh.services.gateway.errors import ApiError, error_type, to_api_error
 from kvmesh.services.gateway.openai_format import DONE, Formatter, sse
-from kvmesh.services.gateway.openai_schema import chat_request, completion_request, parse_body, validation_error
+from kvmesh.services.gateway.openai_schema import (
+    chat_request,
+    completion_request,
+    parse_body,
+    validation_error,
+)
 from kvmesh.services.gateway.service import Gateway, Generation
 from kvmesh.services.gateway.sse import CLIENT_CLOSED, ClientGone, EventStream, race_disconnect
 from kvmesh.telemetry import extract_context, tracer
@@ -145,9 +150,12 @@ async def _generate(gateway: Gateway, request: Request, kind: Literal["completio
                     ) -> Response:
     """Authenticate, parse, start, then stream or collect; every outcome is recorded once."""
     arrival = time.perf_counter()
-    endpoint = request.url.path
-    tenant_name = "unauthenticated"
     retry_after = gateway.options.retry_after_s
+    tenant_name = "unauthenticated"
+
+    def record(status: int) -> None:
+        gateway.record(request.url.path, status, tenant_name, arrival)
+
     try:
         tenant = gateway.authenticate(bearer_token(request.headers.get("authorization")))
         tenant_name = tenant.name
@@ -156,72 +164,77 @@ async def _generate(gateway: Gateway, request: Request, kind: Literal["completio
         req = chat_request(body) if kind == "chat" else completion_request(body)  # type: ignore[arg-type]
         stream = bool(body.stream)
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
-        generation = await gateway.start(req, tenant, endpoint=endpoint, arrival=arrival)
+        generation = await gateway.start(req, tenant, endpoint=request.url.path, arrival=arrival)
     except Exception as e:
         err = to_api_error(e, retry_after=retry_after)
-        gateway.record(endpoint, err.status, tenant_name, arrival)
+        record(err.status)
         return error_response(err)
     fmt = Formatter(kind, generation.id, generation.created, req.model,
                     logprobs=req.sampling.logprobs is not None, include_usage=include_usage)
-    deltas = generation.deltas()
+    run = _Run(generation, fmt, record, retry_after)
     try:
         if stream:  # wait for the first delta, so that early failures get a real status
-            first = await race_disconnect(request.receive, _first(deltas))
+            first = await race_disconnect(request.receive, run.first())
         else:
-            result = await race_disconnect(request.receive, _collect(deltas, fmt, generation))
+            result = await race_disconnect(request.receive, run.collect())
     except ClientGone:
-        await generation.aclose()
-        gateway.record(endpoint, CLIENT_CLOSED, tenant_name, arrival)
+        await run.close(disconnected=True)
         return Response(status_code=CLIENT_CLOSED)
     except BaseException as e:
-        await generation.aclose()
         if not isinstance(e, Exception):
+            await generation.aclose()
             raise
         err = to_api_error(e, retry_after=retry_after)
-        gateway.record(endpoint, err.status, tenant_name, arrival)
+        run.status = err.status
+        await run.close(disconnected=False)
         return error_response(err)
     if not stream:
-        await generation.aclose()
-        gateway.record(endpoint, 200, tenant_name, arrival)
+        await run.close(disconnected=False)
         return JSONResponse(result)
-    outcome = {"status": 200}
-
-    async def on_close(disconnected: bool) -> None:
-        await generation.aclose()
-        status = CLIENT_CLOSED if disconnected else outcome["status"]
-        gateway.record(endpoint, status, tenant_name, arrival)
-
-    return EventStream(_events(first, deltas, fmt, generation, outcome, retry_after), on_close)
+    return EventStream(run.events(first), run.close)
 
 
-async def _first(deltas: AsyncIterator[Any]) -> Any:
-    try:
-        return await deltas.__anext__()
-    except StopAsyncIteration:
-        raise ApiError(grpc.StatusCode.UNAVAILABLE, "the router sent no output; retry",
-                       retry_after=1) from None
+class _Run:
+    """One admitted HTTP request: its deltas rendered, and its one close (release + record)."""
 
+    def __init__(self, generation: Generation, fmt: Formatter, record: Callable[[int], None],
+                 retry_after: int) -> None:
+        self.generation = generation
+        self.deltas = generation.deltas()
+        self.fmt = fmt
+        self.record = record
+        self.retry_after = retry_after
+        self.status = 200
 
-async def _collect(deltas: AsyncIterator[Any], fmt: Formatter, generation: Generation
-                   ) -> dict[str, Any]:
-    async for delta in deltas:
-        fmt.add(delta)
-    return fmt.response(generation.usage)
+    async def first(self) -> Any:
+        try:
+            return await self.deltas.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, "the router sent no output; retry",
+                           retry_after=self.retry_after) from None
 
+    async def collect(self) -> dict[str, Any]:
+        async for delta in self.deltas:
+            self.fmt.add(delta)
+        return self.fmt.response(self.generation.usage)
 
-async def _events(first: Any, deltas: AsyncIterator[Any], fmt: Formatter, generation: Generation,
-                  outcome: dict[str, int], retry_after: int) -> AsyncIterator[bytes]:
-    """The SSE byte stream: chunks, the usage chunk if asked, an error event if one came, [DONE]."""
-    try:
-        for chunk in fmt.chunks(first):
-            yield sse(chunk)
-        async for delta in deltas:
-            for chunk in fmt.chunks(delta):
+    async def events(self, first: Any) -> AsyncIterator[bytes]:
+        """SSE bytes: chunks, the usage chunk if asked, an error event if one came, [DONE]."""
+        try:
+            for chunk in self.fmt.chunks(first):
                 yield sse(chunk)
-        if fmt.include_usage:
-            yield sse(fmt.usage_chunk(generation.usage))
-    except Exception as e:  # headers are sent: report in-band, as OpenAI does
-        err = to_api_error(e, retry_after=retry_after)
-        outcome["status"] = err.status
-        yield sse(err.body())
-    yield DONE
+            async for delta in self.deltas:
+                for chunk in self.fmt.chunks(delta):
+                    yield sse(chunk)
+            if self.fmt.include_usage:
+                yield sse(self.fmt.usage_chunk(self.generation.usage))
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            err = to_api_error(e, retry_after=self.retry_after)
+            self.status = err.status
+            yield sse(err.body())
+        yield DONE
+
+    async def close(self, disconnected: bool) -> None:
+        """Cancel what still runs upstream, release the slot, count the outcome."""
+        await self.generation.aclose()
+        self.record(CLIENT_CLOSED if disconnected else self.status)

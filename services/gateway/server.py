@@ -23,7 +23,6 @@ import uvicorn
 
 from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.model.tokenizer import Tokenizer
-from kvmesh.rpc.client import make_channel
 from kvmesh.rpc.server import RpcServer, ServerOptions
 from kvmesh.services.gateway import metrics
 from kvmesh.services.gateway.admission import Admission, AdmissionLimits
@@ -42,7 +41,7 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Channel) -> Gateway:
     """The request-handling core for `cfg`, talking to the router over `channel`."""
-    router = RouterClient(channel, cfg.request_timeout_s)
+    router = RouterClient(channel, cfg.request_timeout_s, cfg.retry_after_s)
     admission = Admission(
         AdmissionLimits(cfg.max_inflight_requests, cfg.max_inflight_prompt_tokens,
                         cfg.tenant_max_inflight_requests),

@@ -70,12 +70,12 @@ class Generation:
     comes first — and `aclose()` also cancels every upstream call still running.
     """
 
-    def __init__(self, gateway: Gateway, generation_id: str, req: GenerationRequest,
+    def __init__(self, gateway: Gateway, *, generation_id: str, request: GenerationRequest,
                  model: ModelEntry, prompts: list[PreparedPrompt], jobs: list[ChoiceJob],
                  ticket: Ticket, endpoint: str, arrival: float) -> None:
         self.id = generation_id
         self.created = int(time.time())
-        self.request = req
+        self.request = request
         self.model = model
         self.prompts = prompts
         self.usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
@@ -209,7 +209,9 @@ class Gateway:
                           copy=j, max_tokens=max_tokens[p_index],
                           request_id=f"{generation_id}-{p_index * req.n + j}")
                 for p_index, prompt in enumerate(prompts) for j in range(req.n)]
-        return Generation(self, generation_id, req, model, prompts, jobs, ticket, endpoint, arrival)
+        return Generation(self, generation_id=generation_id, request=req, model=model,
+                          prompts=prompts, jobs=jobs, ticket=ticket, endpoint=endpoint,
+                          arrival=arrival)
 
     def _max_tokens(self, req: GenerationRequest, model: ModelEntry, prompt: PreparedPrompt) -> int:
         """max_tokens to send (0 = the engine's default); 400 when the prompt leaves no room."""
@@ -283,7 +285,7 @@ class Gateway:
             echo = EchoedPrompt(prompt.text, prompt.token_ids, placeholders)
         request = router_pb2.RouteRequest(
             request=engine_pb2.GenerateRequest(
-                request_id=request_id, token_ids=engine_pb2.TokenIds(ids=list(prompt.token_ids)), sampling=sampling,
-                cache_salt=tenant.cache_salt),
+                request_id=request_id, token_ids=engine_pb2.TokenIds(ids=list(prompt.token_ids)),
+                sampling=sampling, cache_salt=tenant.cache_salt),
             model=req.model, tenant=tenant.name, prompt_text=prompt.text)
         return ChoiceJob(index, prompt_index, request, echo)

@@ -49,12 +49,14 @@ class ModelEntry:
 
 
 class RouterClient:
-    """Calls to the router over one channel; `timeout_s` bounds each whole generation stream."""
+    """Calls to the router over one channel; `timeout_s` bounds each whole generation stream,
+    `retry_after_s` is the back-off suggested when the router's answer ends badly."""
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, retry_after_s: int = 1) -> None:
         self.channel = channel
         self.stub = router_pb2_grpc.RouterServiceStub(channel)
         self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
 
     async def list_models(self, timeout_s: float = 5.0) -> list[router_pb2.ModelCard]:
         response = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout_s)
@@ -164,7 +166,7 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                 if out.final.finish_reason not in _FINISH:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE,
                                    "the engine aborted the request (it may be draining); retry",
-                                   retry_after=1)
+                                   retry_after=router.retry_after_s)
                 finish = _FINISH[out.final.finish_reason]
                 u = out.final.usage
                 final = ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
@@ -176,7 +178,7 @@ async def run_choice(router: RouterClient, job: ChoiceJob
         if final is None:
             raise ApiError(grpc.StatusCode.UNAVAILABLE,
                            "the router's stream ended without a final message; retry",
-                           retry_after=1)
+                           retry_after=router.retry_after_s)
         yield final
     finally:
         if not call.done():
