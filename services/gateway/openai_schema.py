@@ -17,7 +17,7 @@ from kvmesh.services.gateway.spec import ChatTurn, GenerationRequest, Sampling
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "5" is not a number, "yes" no bool
 
 
 class StreamOptions(_Body):

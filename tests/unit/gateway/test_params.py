@@ -57,6 +57,9 @@ def test_completion_prompt_shapes():
 
 @pytest.mark.parametrize("body, expected", [
     ({"temperature": "hot"}, ("temperature", "invalid_type")),
+    ({"max_tokens": "7"}, ("max_tokens", "invalid_type")),  # strict: no silent coercion
+    ({"n": True}, ("n", "invalid_type")),
+    ({"stream": "yes"}, ("stream", "invalid_type")),
     ({"n": 0}, ("n", "invalid_value")),
     ({"n": 17}, ("n", "invalid_value")),
     ({"stop": [""]}, ("stop", "invalid_value")),
