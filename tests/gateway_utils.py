@@ -223,6 +223,7 @@ class GatewayHarness:
                                  lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(
                                      self.fake, s), [ROUTER_SERVICE])
         router_port = await self._router.start()
+        self.router_address = f"127.0.0.1:{router_port}"
         cfg = GatewayConfig(**{"router_address": f"127.0.0.1:{router_port}", "http_port": 0,
                                "port": 0, "grace_s": 1.0, "models_refresh_s": 0.0,
                                **self.config})
