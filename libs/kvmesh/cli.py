@@ -96,7 +96,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvmesh.loadtest.registry import run_bench
 
-    rows = run_bench(args.name, quick=args.quick)
+    rows = run_bench(args.name, quick=args.quick, json_path=args.json)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

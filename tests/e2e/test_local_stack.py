@@ -26,21 +26,22 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_up_status_chat_down(tmp_path):
     env = {**os.environ, "KVMESH_DATA_DIR": str(tmp_path)}
-    port = launcher.free_port()
-    up = _kvmesh("up", "--engine-port", str(port), "--kvcache-port", str(launcher.free_port()),
-                 "--engine-arg=--kv-cache-bytes=67108864", env=env)
+    ports = [f"--{svc}-port={launcher.free_port()}" for svc in ("http", "gateway", "router", "engine", "kvcache")]
+    up = _kvmesh("up", *ports, "--engine-arg=--kv-cache-bytes=67108864", env=env)
     assert up.returncode == 0, up.stderr
     try:
         status = _kvmesh("status", env=env)
-        assert status.returncode == 0 and "SERVING" in status.stdout, status.stdout
-        chat = _kvmesh("chat", "What is the capital of France?", "--engine", f"127.0.0.1:{port}",
-                       "--max-tokens", "12", env=env)
+        assert status.returncode == 0, status.stdout
+        assert status.stdout.count("SERVING") == 4, status.stdout   # kvcache, engine, router, gateway
+        # through the gateway's OpenAI API, found from the stack's state
+        chat = _kvmesh("chat", "What is the capital of France?", "--max-tokens", "12", env=env)
         assert chat.returncode == 0, chat.stderr
-        assert chat.stdout.strip(), "no answer text"
+        assert "Paris" in chat.stdout
         assert "tok/s" in chat.stderr
     finally:
         down = _kvmesh("down", env=env)
-    assert down.returncode == 0 and "engine" in down.stdout and "kvcache" in down.stdout
+    assert down.returncode == 0
+    assert all(name in down.stdout for name in ("gateway", "router", "engine", "kvcache")), down.stdout
     after = _kvmesh("status", env=env)
     assert after.returncode == 3
     assert (tmp_path / "logs" / "engine.log").read_text().count("listening on") == 1
