@@ -135,6 +135,7 @@ def _plot(points: list[tuple[str, float, float]], path: Path) -> None:
             ax.plot([c], [a], "s", label=lab.replace("_", " "))
     ax.set_xlabel("cost per request (generated tokens x tier cost)")
     ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
     ax.set_title("kvmesh cascade: int4 tier first, fp32 on low confidence")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -188,8 +189,11 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
         acc = sum(t.correct(a.text) for t, a in zip(tasks, answers)) / len(tasks)
         share = sum(a.tier == "cheap" for a in answers) / len(tasks)
         spent = statistics.fmean(sum(n * cost[tier] for tier, n in a.tokens_by_tier.items()) for a in answers)
+        kept = [t.correct(a.text) for t, a in zip(tasks, answers) if a.tier == "cheap"]
         rows += [row("cheap_share", share, "share", threshold=label), row("cost", spent, "token-units", threshold=label),
                  row("accuracy", acc, "share", threshold=label)]
+        if kept and not label.endswith("_only"):  # how well the signal picks the answers to keep
+            rows.append(row("cheap_kept_accuracy", sum(kept) / len(kept), "share", threshold=label))
         points.append((label, spent, acc))
         print(f"threshold {label}: cheap share {share:.2f} cost {spent:.1f} accuracy {acc:.3f}", file=sys.stderr)
     png = Path(json_path).with_suffix(".png") if json_path else Path("bench-results/cascade.png")

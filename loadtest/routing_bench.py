@@ -3,14 +3,15 @@
 The workload is multi-turn chat: every user opens with a long document of their own (a distinct
 slice of ``pydoc_data.topics``) and a question, then asks short follow-ups; each turn's prompt is
 the whole conversation so far (chat template applied), so a replica that served the user's
-previous turn holds all but the newest few dozen tokens in its prefix cache. Users run
-concurrently, each turn after the previous answer. Greedy, fixed-length answers.
+previous turn holds all but the newest few dozen tokens in its prefix cache. Users join one
+every `arrival_gap_s` and then run concurrently, each turn right after the previous answer.
+Greedy, fixed-length answers.
 
 Side by side in one run on the bundled SmolLM2-135M, through the real router and two engine
 processes (one torch thread each: two cores), for each policy (kv_aware, round_robin) and each
 KV-pool size per engine:
 
-* ``tight`` — the pool holds about 70% of all users' conversations: a policy that spreads each
+* ``tight`` — the pool holds about 60% of all users' conversations: a policy that spreads each
   user over both replicas needs twice the cache of one that keeps users in place, which is how a
   fleet's aggregate cache capacity is lost in practice;
 * ``ample`` — every conversation fits in every replica (quick runs skip it): only the first visit
@@ -42,13 +43,14 @@ FOLLOW_UPS = ("What is the main point so far?", "Give one example from the text.
 class Plan:
     users: int = 8
     doc_tokens: int = 768
-    turns: int = 5
+    turns: int = 8
     answer_tokens: int = 16
+    arrival_gap_s: float = 2.0
     pools: tuple[str, ...] = ("tight", "ample")
 
 
 FULL = Plan()
-QUICK = Plan(users=6, doc_tokens=512, turns=4, pools=("tight",))
+QUICK = Plan(users=6, doc_tokens=512, turns=6, arrival_gap_s=1.5, pools=("tight",))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -63,7 +65,7 @@ def _conversation_tokens(plan: Plan) -> int:
 
 def pool_bytes(plan: Plan, pool: str) -> int:
     total = plan.users * _conversation_tokens(plan)
-    share = 0.7 if pool == "tight" else 1.5
+    share = 0.6 if pool == "tight" else 1.5
     return int(total * share) * KV_BYTES_PER_TOKEN
 
 
@@ -71,6 +73,7 @@ async def _user(stub, tok, doc: str, user: int, plan: Plan, salt: str, samples: 
     from kvmesh.engine.v1 import engine_pb2
     from kvmesh.router.v1 import router_pb2
 
+    await asyncio.sleep(user * plan.arrival_gap_s)  # the workload's arrival schedule: users join over time
     messages = [{"role": "user", "content": f"Read this document.\n\n{doc}\n\nWhat is it about?"}]
     for turn in range(plan.turns):
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
