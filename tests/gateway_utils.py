@@ -26,7 +26,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
-from kvmesh.model.tokenizer import Tokenizer
+from kvmesh.model.tokenizer import Tokenizer, _byte_alphabet
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.rpc.client import make_channel
 from kvmesh.rpc.server import RpcServer, ServerOptions
@@ -44,21 +44,9 @@ MAX_MODEL_LEN = 256
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def tiny_tokenizer() -> Tokenizer:
     """Byte-level tokenizer: token id = byte value; 256 = <|im_start|>, 257 = <|im_end|> (EOS)."""
-    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    vocab = {c: b for b, c in _byte_alphabet().items()}
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()

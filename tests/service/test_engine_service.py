@@ -150,14 +150,25 @@ async def test_abort_by_id_ends_the_stream(harness):
 async def test_full_queue_is_resource_exhausted(harness):
     long = dict(max_tokens=200, ignore_eos=True)
     first = harness.stub.Generate(_text_req("one", **long), timeout=120)
-    await first.read()   # admitted and running
-    second = harness.stub.Generate(_text_req("two", **long), timeout=120)
-    third = harness.stub.Generate(_text_req("three", **long), timeout=120)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await third.read()
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    first.cancel()
-    second.cancel()
+    await first.read()   # admitted and running; the one queue slot is left
+
+    async def outcome(call) -> grpc.StatusCode:
+        try:
+            await call.read()
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    # Two more arrive together: whichever the engine sees second finds the queue full (their
+    # handlers may start in either order). The queued one cannot produce a token while `first`
+    # runs, so the first outcome to arrive is the refusal.
+    calls = [harness.stub.Generate(_text_req(t, **long), timeout=120) for t in ("two", "three")]
+    tasks = [asyncio.create_task(outcome(c)) for c in calls]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    assert [t.result() for t in done] == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    for c in [first, *calls]:
+        c.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def test_get_model_info(harness, bundled_model):
