@@ -176,6 +176,47 @@ def _threads_per_engine(engines: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // engines))
 
 
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process `up` starts: its name, module, flags (without --host/--port), port and env."""
+
+    name: str
+    module: str
+    args: tuple[str, ...]
+    port: int
+    env: tuple[tuple[str, str], ...] = ()
+    http_port: int | None = None
+
+
+def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
+    """What `up` starts for `plan`, in start order (each after the ones it talks to)."""
+    ports = plan.ports
+    one_thread = (("OMP_NUM_THREADS", "1"),)
+    threads = _threads_per_engine(plan.replicas + (1 if plan.cascade else 0))
+    kv = f"127.0.0.1:{ports.kvcache}"
+    specs = [ServiceSpec("kvcache", "kvmesh.services.kvcache",
+                         ("--data-dir", str(data / "kvcache"), *plan.kvcache_args), ports.kvcache, one_thread)]
+    common = ("--kvcache-address", kv, "--threads", threads, "--served-name", plan.served_name)
+    full = [ServiceSpec("engine" if plan.replicas == 1 else f"engine-{i}", "kvmesh.services.engine",
+                        (*common, *plan.engine_args), ports.engine + i) for i in range(plan.replicas)]
+    specs += full
+    tiers = f"{plan.served_name}={','.join(f'127.0.0.1:{e.port}' for e in full)}@1.0"
+    router_args: tuple[str, ...] = ("--tiers", tiers)
+    if plan.cascade:
+        cheap_port = ports.engine + plan.replicas
+        specs.append(ServiceSpec("engine-cheap", "kvmesh.services.engine",
+                                 (*common, *plan.cheap_args, *plan.engine_args), cheap_port))
+        # the full model first: a request naming no model gets it
+        router_args = ("--tiers", f"{tiers};cheap=127.0.0.1:{cheap_port}@0.6",
+                       "--cascades", f"auto=cheap,{plan.served_name}", "--default-model", plan.served_name)
+    specs.append(ServiceSpec("router", "kvmesh.services.router", (*router_args, *plan.router_args),
+                             ports.router, one_thread))
+    specs.append(ServiceSpec("gateway", "kvmesh.services.gateway",
+                             ("--router-address", f"127.0.0.1:{ports.router}", "--http-port", str(ports.http),
+                              *plan.gateway_args), ports.gateway, one_thread, http_port=ports.http))
+    return specs
+
+
 def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
     """Starts the local stack unless it is already running — the KV-cache service (LMDB under the
     data directory), the engines linked to it, the router over them and the gateway (OpenAI HTTP
@@ -183,39 +224,13 @@ def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
     running = [p for p in load_state() if alive(p.pid)]
     if running:
         return running
-    ports = plan.ports
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    engines = plan.replicas + (1 if plan.cascade else 0)
-    threads = _threads_per_engine(engines)
     procs: list[ServiceProc] = []
     try:
-        kv = start_service("kvcache", "kvmesh.services.kvcache",
-                           ["--data-dir", str(data_dir() / "kvcache"), *plan.kvcache_args], ports.kvcache,
-                           env=one_thread)
-        procs.append(kv)
-        common = ["--kvcache-address", kv.address, "--threads", threads, "--served-name", plan.served_name]
-        full = []
-        for i in range(plan.replicas):
-            name = "engine" if plan.replicas == 1 else f"engine-{i}"
-            full.append(start_service(name, "kvmesh.services.engine", [*common, *plan.engine_args],
-                                      ports.engine + i))
-        procs.extend(full)
-        tiers = f"{plan.served_name}={','.join(p.address for p in full)}@1.0"
-        router_args = ["--tiers", tiers]
-        if plan.cascade:
-            cheap = start_service("engine-cheap", "kvmesh.services.engine",
-                                  [*common, *plan.cheap_args, *plan.engine_args], ports.engine + plan.replicas)
-            procs.append(cheap)
-            tiers = f"{tiers};cheap={cheap.address}@0.6"  # the full model first: the default
-            router_args = ["--tiers", tiers, "--cascades", f"auto=cheap,{plan.served_name}",
-                           "--default-model", plan.served_name]
-        router = start_service("router", "kvmesh.services.router", [*router_args, *plan.router_args],
-                               ports.router, env=one_thread)
-        procs.append(router)
-        gw = start_service("gateway", "kvmesh.services.gateway",
-                           ["--router-address", router.address, "--http-port", str(ports.http),
-                            *plan.gateway_args], ports.gateway, env=one_thread)
-        procs.append(ServiceProc(gw.name, gw.pid, gw.address, gw.log, url=f"http://127.0.0.1:{ports.http}/v1"))
+        for spec in stack_services(plan, data_dir()):
+            svc = start_service(spec.name, spec.module, list(spec.args), spec.port, env=dict(spec.env))
+            if spec.http_port is not None:
+                svc = ServiceProc(svc.name, svc.pid, svc.address, svc.log, url=f"http://127.0.0.1:{spec.http_port}/v1")
+            procs.append(svc)
     except LaunchError:
         for p in reversed(procs):
             stop_service(p)
