@@ -11,6 +11,7 @@ BENCHES: dict[str, str] = {
     "kvcache": "kvmesh.loadtest.kvcache_bench",
     "routing": "kvmesh.loadtest.routing_bench",
     "cascade": "kvmesh.loadtest.cascade_bench",
+    "spec": "kvmesh.loadtest.spec_bench",
 }
 
 

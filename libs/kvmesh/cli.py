@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(fn=_cmd_chat)
 
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
     bench.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     bench.set_defaults(fn=_cmd_bench)
