@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from kvmesh.draft.v1 import draft_pb2, draft_pb2_grpc
 from kvmesh.services.engine.build import build_core
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import EngineCore, EngineRequest
@@ -160,3 +161,102 @@ def serve_engine(core, *, max_waiting: int = 64):
             engine.shutdown()
 
     return served()
+
+
+# ---- a scriptable fake draft service (kvmesh.draft.v1) for speculative decoding tests -----------
+
+class FakeDraftService:
+    """An in-process DraftService on 127.0.0.1:<port> (a plain gRPC server on its own threads,
+    so a synchronous EngineCore and an AsyncEngine can both call it).
+
+    It keeps per-sequence histories exactly as the protocol says (new tokens appended, checked
+    against committed_len, `needs_resync` on a mismatch, `resync` replaces) and drafts with
+    `propose(request_id, history, max_draft_tokens) -> list[int]` (request id = the part of
+    the sequence id after the engine instance). Knobs: `delay_s` (answer late), `fail` (a
+    status code to answer with). Records every request in `calls` and released ids in
+    `released`. `stop()` / `start()` kill it and bring it back on the same port, empty.
+    """
+
+    def __init__(self, propose=None, port: int = 0) -> None:
+        self.propose = propose or (lambda rid, history, k: [])
+        self.delay_s = 0.0
+        self.fail = None
+        self.calls: list = []
+        self.released: list[str] = []
+        self.histories: dict[str, list[int]] = {}
+        self.port = port
+        self._server = None
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+
+        self.histories = {}
+        server = grpc.server(ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(_FakeDraftServicer(self), server)
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None).wait()
+            self._server = None
+
+    def proposed_lengths(self) -> list[list[int]]:
+        """max_draft_tokens of every sequence of every call so far."""
+        return [[s.max_draft_tokens for s in c.sequences] for c in self.calls]
+
+
+class _FakeDraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, fake: FakeDraftService) -> None:
+        self.fake = fake
+
+    def Propose(self, request, context):
+        fake = self.fake
+        fake.calls.append(request)
+        if fake.delay_s:
+            time.sleep(fake.delay_s)
+        if fake.fail is not None:
+            context.abort(fake.fail, "scripted failure")
+        out = draft_pb2.ProposeResponse()
+        for s in request.sequences:
+            if s.resync:
+                history = list(s.resync)
+            else:
+                history = fake.histories.get(s.sequence_id, []) + list(s.new_token_ids)
+            if len(history) != s.committed_len:
+                out.drafts.add(sequence_id=s.sequence_id, needs_resync=True)
+                continue
+            fake.histories[s.sequence_id] = history
+            rid = s.sequence_id.split("/", 1)[1]
+            tokens = list(fake.propose(rid, history, s.max_draft_tokens))[:s.max_draft_tokens]
+            out.drafts.add(sequence_id=s.sequence_id, token_ids=tokens, drafter=s.drafter)
+        return out
+
+    def Release(self, request, context):
+        self.fake.released.extend(request.sequence_ids)
+        n = sum(self.fake.histories.pop(i, None) is not None for i in request.sequence_ids)
+        return draft_pb2.ReleaseResponse(released=n)
+
+    def GetInfo(self, request, context):
+        return draft_pb2.GetInfoResponse(drafters=[draft_pb2.DRAFTER_NGRAM])
+
+
+def oracle_drafts(prompts: dict[str, list[int]], outputs: dict[str, list[int]], wrong_at=None):
+    """A `FakeDraftService.propose` that continues each request with its known greedy output
+    (the target's own continuation, so every draft is accepted). `wrong_at`: draft indexes
+    made wrong (token + 1 mod 256)."""
+    def propose(rid, history, k):
+        full = prompts[rid] + outputs[rid]
+        if history != full[:len(history)]:
+            return []
+        drafts = full[len(history):len(history) + k]
+        return [(t + 1) % 256 if wrong_at and i in wrong_at else t for i, t in enumerate(drafts)]
+    return propose

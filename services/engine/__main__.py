@@ -25,6 +25,8 @@ async def serve(cfg: EngineConfig) -> None:
     if engine.core.kv is not None:
         metrics.register_kv_connector(engine.core.kv)
         await engine.core.kv.warm_up()
+    if engine.core.drafts is not None:
+        metrics.register_speculation(engine.core)
     engine.on_step = metrics.record_step
     servicer = EngineServicer(engine, model_info(engine.core, cfg))
     server = RpcServer(
@@ -38,6 +40,8 @@ async def serve(cfg: EngineConfig) -> None:
         await run_service(server)
     finally:
         engine.shutdown()
+        if engine.core.drafts is not None:
+            engine.core.drafts.close()
         if engine.core.kv is not None:
             await engine.core.kv.close()
 

@@ -14,6 +14,10 @@ stays single-threaded) and per-request asyncio queues filled with `call_soon_thr
 consumer goes away (client cancel, deadline), its generator's `finally` posts an abort, which
 frees the request's blocks at the next step boundary.
 
+The draft service is called from the step loop too (EngineCore._propose): one synchronous
+Propose per step, blocking only that thread (gRPC releases the GIL while it waits) for at most
+--draft-timeout-s, because the drafts must be known before the step is scheduled.
+
 NOTE: probes never wait for the step loop. A router probes before placing every request, with a
 deadline (~0.2 s) shorter than one prefill step can take on a CPU, so `probe` answers on the
 event-loop thread from two reads that are safe while the step loop runs:
@@ -46,6 +50,7 @@ from kvmesh.kv.codec import CodecSpec
 from kvmesh.services.engine.core import EngineCore, EngineLoad, EngineRequest, ProbeResult, RequestOutput
 from kvmesh.services.engine.kv_connector import parse_codec
 from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.speculation import SpecMode
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +81,10 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str = "", cache_salt: bytes = b"",
-                       kv_codec: str = "") -> AsyncIterator[RequestOutput]:
+                       kv_codec: str = "", speculation: SpecMode | None = None) -> AsyncIterator[RequestOutput]:
         """Validates and queues a request, then yields its outputs until the final one.
+        `speculation` overrides the engine's default mode (plain decoding without a draft
+        service, whatever it says).
 
         With a KV-cache service configured, the prompt's cached prefix is fetched first (while
         the step loop keeps serving other requests); that never fails the request."""
@@ -110,7 +117,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         req = EngineRequest(request_id, list(prompt_token_ids), params, arrival,
-                            cache_salt=cache_salt, kv_plan=plan)
+                            cache_salt=cache_salt, kv_plan=plan, speculation=speculation)
         self._post("add", req)
         finished = False
         try:

@@ -202,14 +202,24 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks (tail first, see the NOTE) and empty its block table."""
-        for block_id in reversed(seq.block_table):
+        self._release(seq.block_table)
+        seq.block_table = []
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's blocks past the ones holding its first `num_tokens` tokens (the KV of
+        rejected draft tokens: never registered, so they go to the front of the free queue)."""
+        keep = -(-num_tokens // self.block_size)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
                 if not self._is_registered(block):
                     self._free.move_to_end(block_id, last=False)
-        seq.block_table = []
 
     def _is_registered(self, block: _Block) -> bool:
         return block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id

@@ -14,10 +14,12 @@ from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.core import EngineCore
+from kvmesh.services.engine.core import EngineCore, SpecConfig
+from kvmesh.services.engine.draft_client import DraftClient, DraftClientConfig
 from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
 from kvmesh.services.engine.scheduler import SchedulerConfig
+from kvmesh.services.engine.speculation import SpecMode
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,20 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching,
-                      kv=build_kv_connector(cfg, loaded))
+                      kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
+                      spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens))
+
+
+def build_draft_client(cfg: EngineConfig, loaded: LoadedModel) -> DraftClient | None:
+    """The draft service link when `cfg.draft_address` is set."""
+    if not cfg.draft_address:
+        return None
+    client = DraftClient(DraftClientConfig(cfg.draft_address, cfg.draft_timeout_s, cfg.draft_retry_s),
+                         target_model=loaded.weights_digest, vocab_size=loaded.config.vocab_size)
+    log.info("draft service %s: speculation %s by default, up to %d drafts per step, %.0f ms deadline "
+             "(engine instance %s)", cfg.draft_address, cfg.speculation, cfg.spec_max_draft_tokens,
+             cfg.draft_timeout_s * 1000, client.instance_id)
+    return client
 
 
 def serve_layers(loaded: LoadedModel, cfg: EngineConfig) -> LoadedModel:

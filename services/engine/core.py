@@ -15,12 +15,14 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.model.loader import LoadedModel
 from kvmesh.model.tokenizer import IncrementalDetokenizer
 from kvmesh.services.engine.block_manager import BlockManager
+from kvmesh.services.engine.draft_client import DraftClient, DraftQuery
 from kvmesh.services.engine.kv_connector import ExportJob, KvConnector, KvPlan
-from kvmesh.services.engine.runner import ModelRunner, PromptLogprobsChunk
-from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generator
+from kvmesh.services.engine.runner import DraftLogits, ModelRunner, PromptLogprobsChunk
+from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generator, token_logprobs
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.services.engine.sequence import Sequence
+from kvmesh.services.engine.speculation import SpecMode, SpecUsage, verify
 from kvmesh.services.engine.stop import StopStringMatcher, check_stop
 
 
@@ -36,6 +38,18 @@ class EngineRequest:
     """Tenant salt of every KV namespace the request touches (engine prefix cache, KV service)."""
     kv_plan: Optional[KvPlan] = None
     """What the KV-cache service held for this prompt (fetched before queuing), if it is used."""
+    speculation: Optional[SpecMode] = None
+    """Speculative decoding for this request; None = the engine's default."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How the engine speculates (only with a draft service)."""
+
+    default_mode: SpecMode = SpecMode.NGRAM
+    """Mode of requests that name none."""
+    max_draft_tokens: int = 4
+    """Most drafts verified per sequence and step (k)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,8 @@ class RequestOutput:
     usage: Optional[Usage] = None
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    spec: Optional[SpecUsage] = None
+    """Final output only: the request's speculative decoding counters."""
 
 
 @dataclass(frozen=True)
@@ -98,13 +114,16 @@ class _State:
     first_token_time: Optional[float] = None
     kv_plan: Optional[KvPlan] = None  # set until the prompt's new chunks are exported
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # collected chunk by chunk
+    spec_mode: SpecMode = SpecMode.OFF
+    spec: SpecUsage = field(default_factory=SpecUsage)
 
 
 class EngineCore:
     """Continuous batching over one model: add requests, call `step()` until none are left."""
 
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, sched_config: SchedulerConfig,
-                 *, enable_prefix_caching: bool = True, kv: Optional[KvConnector] = None) -> None:
+                 *, enable_prefix_caching: bool = True, kv: Optional[KvConnector] = None,
+                 drafts: Optional[DraftClient] = None, spec: SpecConfig = SpecConfig()) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.runner = runner
@@ -122,6 +141,11 @@ class EngineCore:
         self.eos_token_ids = tuple(loaded.config.eos_token_ids)
         self.kv = kv
         """The KV-cache service link, or None (in-engine prefix cache only)."""
+        self.drafts = drafts
+        """The draft service link, or None (no speculative decoding)."""
+        self.spec_config = spec
+        self.spec_totals = SpecUsage()
+        """Speculative decoding counters over every request since start."""
         self._states: dict[str, _State] = {}
 
     # ---- admission -------------------------------------------------------------------------
@@ -153,12 +177,14 @@ class EngineCore:
             plan.kv = None  # the sequence holds it until import
         generator = make_generator(req.params)
         self.scheduler.add(seq)
+        mode = req.speculation or self.spec_config.default_mode
         self._states[req.request_id] = _State(
             seq=seq,
             detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
             matcher=StopStringMatcher(req.params.stop),
             generator=generator,
-            kv_plan=plan if plan is not None and not all(plan.present) else None)
+            kv_plan=plan if plan is not None and not all(plan.present) else None,
+            spec_mode=mode if self.drafts is not None else SpecMode.OFF)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Stops a request and frees its blocks; returns its final output, or None if unknown."""
@@ -166,6 +192,9 @@ class EngineCore:
         if state is None:
             return None
         self.scheduler.finish(state.seq, "abort")
+        if self.drafts is not None:
+            self.drafts.release(request_id)
+            self.drafts.flush()
         return self._final(state, "abort", "")
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: bytes) -> int:
@@ -204,8 +233,13 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled batch; returns the outputs of every request that advanced."""
-        out = self.scheduler.schedule()
+        """Runs one scheduled batch; returns the outputs of every request that advanced.
+
+        With a draft service: first one Propose for every speculating decode (see
+        `_propose`), whose drafts the scheduler fits into the step and the runner computes with
+        everything else; then plain sampling for the other sequences and verification for those."""
+        drafts = self._propose() if self.drafts is not None else {}
+        out = self.scheduler.schedule(drafts)
         if not out.scheduled:
             return []
         result = self.runner.execute(out)
@@ -214,20 +248,56 @@ class EngineCore:
             self._export_new_chunks(out)
         for chunk in result.prompt_logprobs:
             self._collect_prompt_logprobs(self._states[chunk.seq.request_id], chunk)
-        if not result.seqs:
-            return []
-        states = [self._states[s.request_id] for s in result.seqs]
-        sampled = self.sampler(result.logits, [s.params for s in result.seqs],
-                               [st.generator for st in states])
-        now = time.monotonic()
         outputs = []
-        for i, (seq, state) in enumerate(zip(result.seqs, states)):
-            token = sampled.token_ids[i]
-            seq.append_token(token)
-            if state.first_token_time is None:
-                state.first_token_time = now
-            outputs.append(self._emit(state, token, sampled.logprobs[i]))
+        if result.seqs:
+            states = [self._states[s.request_id] for s in result.seqs]
+            sampled = self.sampler(result.logits, [s.params for s in result.seqs],
+                                   [st.generator for st in states])
+            lps = sampled.logprobs
+            outputs += [self._emit(st, [t], [lps[i]] if lps[i] is not None else [])
+                        for i, (st, t) in enumerate(zip(states, sampled.token_ids))]
+        outputs += [self._verify(rows) for rows in result.drafts]
+        if self.drafts is not None:
+            self.drafts.flush()
         return outputs
+
+    def _propose(self) -> dict[Sequence, list[int]]:
+        """Drafts for every running decode that speculates and may still emit 2+ tokens (at
+        most that many less one, so an accepted run never passes max_tokens): one Propose
+        call, answered within the client's deadline or not at all."""
+        if not self.drafts.available:
+            return {}
+        queries = []
+        for seq in self.scheduler.running:
+            state = self._states[seq.request_id]
+            if (state.spec_mode is SpecMode.OFF or not seq.output_token_ids
+                    or seq.num_tokens - seq.num_computed_tokens != 1):
+                continue
+            k = min(self.spec_config.max_draft_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if k > 0:
+                queries.append(DraftQuery(seq, k, state.spec_mode))
+        return self.drafts.propose(queries)
+
+    def _verify(self, rows: DraftLogits) -> RequestOutput:
+        """Accepts drafts (speculation.verify), emits the tokens token by token (stops cut the
+        run), then keeps the accepted drafts' KV and drops the rejected ones'."""
+        seq = rows.seq
+        state = self._states[seq.request_id]
+        verdict = verify(rows.logits, rows.draft_token_ids, seq.params, state.generator)
+        tokens = verdict.token_ids
+        lps = []
+        if seq.params.logprobs is not None:
+            lps = token_logprobs(rows.logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
+        out = self._emit(state, tokens, lps)
+        accepted = min(verdict.num_accepted, len(out.token_ids))
+        for usage in (state.spec, self.spec_totals):
+            usage.steps += 1
+            usage.draft_tokens += len(rows.draft_token_ids)
+            usage.accepted_tokens += accepted
+        if not out.finished:
+            self.scheduler.accept_drafts(seq, verdict.num_accepted)
+            self.drafts.accepted(seq.request_id, verdict.num_accepted)
+        return out
 
     @staticmethod
     def _collect_prompt_logprobs(state: _State, chunk: PromptLogprobsChunk) -> None:
@@ -257,33 +327,43 @@ class EngineCore:
             self.kv.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end],
                                             start, k, v, plan.spec))
 
-    def _emit(self, state: _State, token: int, logprob) -> RequestOutput:
+    def _emit(self, state: _State, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+        """Appends `tokens` (with their logprobs, if asked for) to the sequence one by one, each
+        through the stop checks; the first stop finishes the request and drops the rest."""
         seq = state.seq
-        reason = check_stop(seq, token, self.eos_token_ids)
-        # Stop/eos tokens end the request but are not part of the text.
-        text_piece = "" if reason == "stop" else state.detok.step([token])
-        emit, hit = state.matcher.feed(text_piece)
-        out = RequestOutput(request_id=seq.request_id, token_ids=[token], text=emit,
-                            logprobs=[logprob] if logprob is not None else [])
+        if state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        out = RequestOutput(request_id=seq.request_id)
         if seq.needs_prompt_logprobs:  # the first token: the prompt is computed, deliver them once
             out.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, []
             seq.needs_prompt_logprobs = False
-        if hit is not None:
-            return self._finish(state, out, "stop_string", hit)
-        if reason is not None:
-            tail = state.detok.flush() if reason != "stop" else ""
-            emit_tail, hit = state.matcher.feed(tail)
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            out.token_ids.append(token)
+            out.logprobs += logprobs[i:i + 1]
+            reason = check_stop(seq, token, self.eos_token_ids)
+            # Stop/eos tokens end the request but are not part of the text.
+            text_piece = "" if reason == "stop" else state.detok.step([token])
+            emit, hit = state.matcher.feed(text_piece)
+            out.text += emit
             if hit is not None:
-                out.text += emit_tail
                 return self._finish(state, out, "stop_string", hit)
-            out.text += emit_tail + state.matcher.flush()
-            stop_reason = str(token) if reason == "stop" else ""
-            return self._finish(state, out, reason, stop_reason)
+            if reason is not None:
+                tail = state.detok.flush() if reason != "stop" else ""
+                emit_tail, hit = state.matcher.feed(tail)
+                if hit is not None:
+                    out.text += emit_tail
+                    return self._finish(state, out, "stop_string", hit)
+                out.text += emit_tail + state.matcher.flush()
+                stop_reason = str(token) if reason == "stop" else ""
+                return self._finish(state, out, reason, stop_reason)
         return out
 
     def _finish(self, state: _State, out: RequestOutput, reason: str, stop_reason: str) -> RequestOutput:
         self.scheduler.finish(state.seq, reason)
         self._states.pop(state.seq.request_id, None)
+        if self.drafts is not None:
+            self.drafts.release(state.seq.request_id)
         final = self._final(state, reason, stop_reason)
         final.token_ids, final.text, final.logprobs = out.token_ids, out.text, out.logprobs
         final.prompt_logprobs = out.prompt_logprobs
@@ -299,4 +379,4 @@ class EngineCore:
             usage=Usage(prompt_tokens=seq.num_prompt_tokens,
                         completion_tokens=len(seq.output_token_ids),
                         cached_prompt_tokens=seq.num_cached_tokens),
-            ttft_s=ttft, e2e_s=now - seq.arrival_time)
+            ttft_s=ttft, e2e_s=now - seq.arrival_time, spec=state.spec)

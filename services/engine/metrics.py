@@ -17,6 +17,9 @@ REQUESTS = Counter("kvmesh_engine_request_success", "Finished requests by finish
 TTFT = Histogram("kvmesh_engine_time_to_first_token_seconds", "Time to first token.", buckets=_LAT)
 E2E = Histogram("kvmesh_engine_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LAT)
 STEP = Histogram("kvmesh_engine_step_seconds", "Duration of one engine step.", buckets=_LAT)
+PROPOSE = Histogram("kvmesh_engine_spec_propose_seconds",
+                    "Duration of one Propose call to the draft service (failed ones included).",
+                    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 
 
 def record_step(core: EngineCore, outputs: list[RequestOutput], seconds: float) -> None:
@@ -63,3 +66,32 @@ def register_kv_connector(connector) -> None:
     from prometheus_client import REGISTRY
 
     REGISTRY.register(_KvConnectorCollector(connector.stats))
+
+
+class _SpecCollector:
+    """Exposes speculative decoding counters at scrape time (the core and draft client count)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        totals, stats = self.core.spec_totals, self.core.drafts.stats
+        for name, help_text, value in (
+                ("spec_steps", "Decode steps of a sequence that verified draft tokens.", totals.steps),
+                ("spec_draft_tokens", "Draft tokens verified.", totals.draft_tokens),
+                ("spec_accepted_tokens", "Draft tokens accepted (and emitted).", totals.accepted_tokens),
+                ("spec_draft_failures", "Propose calls that failed or missed their deadline "
+                                        "(that step decoded without drafts).", stats.failures),
+                ("spec_resyncs", "Sequences the draft service asked to resend whole.", stats.resyncs)):
+            yield CounterMetricFamily(f"kvmesh_engine_{name}", help_text, value=value)
+
+
+def register_speculation(core: EngineCore) -> None:
+    """Publish the core's speculative decoding counters as kvmesh_engine_spec_* and time every
+    Propose call in kvmesh_engine_spec_propose_seconds (call when core.drafts is set)."""
+    from prometheus_client import REGISTRY
+
+    core.drafts.on_propose = PROPOSE.observe
+    REGISTRY.register(_SpecCollector(core))

@@ -31,6 +31,16 @@ class PromptLogprobsChunk:
 
 
 @dataclass(frozen=True)
+class DraftLogits:
+    """What verifying one sequence's drafts needs: row j of `logits` predicts the token after
+    draft j (row 0: after the last known token)."""
+
+    seq: Sequence
+    draft_token_ids: tuple[int, ...]
+    logits: torch.Tensor     # [1 + len(draft_token_ids), vocab] float32, on CPU
+
+
+@dataclass(frozen=True)
 class StepResult:
     """Logits for the sequences whose known tokens are now all computed."""
 
@@ -38,6 +48,18 @@ class StepResult:
     logits: torch.Tensor     # [len(seqs), vocab] float32, on CPU
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     """For sequences collecting prompt logprobs (Sequence.needs_prompt_logprobs)."""
+    drafts: list[DraftLogits] = field(default_factory=list)
+    """Sequences that verify draft tokens this step (not in `seqs`)."""
+
+
+# NOTE: draft tokens as decode rows. A sequence verifying k drafts brings 1 + k tokens at
+# positions s..s+k (its last known token, then the drafts). Rather than as one multi-token row
+# (the prefill path: a per-sequence attention with a causal mask), the runner gives attention
+# 1 + k single-token rows that share the sequence's block table, row j with context s+j+1. The
+# step writes every new token's KV before any row attends, so row j sees exactly the keys a
+# causal mask would give it, and all of them go through the batched decode path with every
+# other decode: one batched SDPA however many sequences speculate, and the same arithmetic as
+# plain decoding (a greedy verification reproduces plain greedy decoding's argmax).
 
 
 def blocks_for_budget(loaded: LoadedModel, block_size: int, budget_bytes: int) -> int:
@@ -84,10 +106,22 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, start, flat row of start, rows
+        draft_rows: list[tuple[Sequence, tuple[int, ...], int]] = []  # seq, drafts, flat row of start
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
+            if item.draft_token_ids:  # see the NOTE: 1 + k decode rows
+                draft_rows.append((seq, item.draft_token_ids, len(input_ids)))
+                input_ids.append(seq.last_token_id)
+                input_ids.extend(item.draft_token_ids)
+                positions.extend(range(start, end))
+                table = seq.block_table
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                query_lens.extend([1] * n)
+                context_lens.extend(range(start + 1, end + 1))
+                tables.extend([table] * n)
+                continue
             # Position p's logits predict token p+1; the last prompt position's predict the first
             # generated token (sampled below), so prompt logprobs use positions start..P-2.
             num_prompt_rows = min(end, seq.num_prompt_tokens - 1) - start
@@ -118,11 +152,17 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches, attn)
         chunks = [self._prompt_logprobs(hidden, *r) for r in prompt_rows]
+        for _, drafts, flat in draft_rows:
+            sample_rows.extend(range(flat, flat + 1 + len(drafts)))
         if not sample_rows:
             return StepResult([], torch.empty(0, self.loaded.config.vocab_size), chunks)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return StepResult(sample_seqs, logits.float().cpu(), chunks)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()  # [rows, vocab]
+        verified, row = [], len(sample_seqs)
+        for seq, drafts, _ in draft_rows:
+            verified.append(DraftLogits(seq, drafts, logits[row:row + 1 + len(drafts)]))
+            row += 1 + len(drafts)
+        return StepResult(sample_seqs, logits[:len(sample_seqs)], chunks, verified)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, start: int, flat: int,
                          n: int) -> PromptLogprobsChunk:

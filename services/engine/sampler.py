@@ -65,6 +65,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax of logits [R, vocab] divided by the row's
+    temperature, after its top-k and top-p (every row must sample: temperature > 0). [R, vocab]
+    float32. Speculative verification accepts drafts against exactly this distribution."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # [R]
+    scaled = logits.float() / temperature[:, None]  # [R, V]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
+
+
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A request's own random stream: seeded from params.seed, else randomly; None when greedy.
 
@@ -111,13 +125,7 @@ class Sampler:
         if random_rows:
             rparams = [params[i] for i in random_rows]
             rows = torch.tensor(random_rows, device=device)  # [R]
-            temperature = torch.tensor([p.temperature for p in rparams], device=device)  # [R]
-            scaled = logits[rows] / temperature[:, None]  # [R, V]
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in rparams):
-                top_k = torch.tensor([p.top_k for p in rparams], device=device)
-                top_p = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
-                scaled = apply_top_k_top_p(scaled, top_k, top_p)
-            probs = scaled.softmax(dim=-1)  # [R, V]
+            probs = sampling_probs(logits[rows], rparams)  # [R, V]
             drawn = []
             for j, i in enumerate(random_rows):
                 if generators[i] is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
@@ -40,12 +41,16 @@ class SchedulerConfig:
 class ScheduledSeq:
     """One sequence's share of a step: compute tokens [start, start + num_new_tokens).
 
+    With draft tokens the last of them are the drafts, verified in this step: the sequence's
+    known tokens end at start + num_new_tokens - len(draft_token_ids).
     `start` and `needs_sampling` are snapshots taken when the step is scheduled, so they stay
     right while the runner works and after `Scheduler.commit` advances the sequence.
     """
 
     seq: Sequence
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
+    """Draft tokens following the sequence's last (known) token, for speculative decoding."""
     start: int = field(init=False)
     """Position of the first token to compute (the sequence's num_computed_tokens)."""
     needs_sampling: bool = field(init=False)
@@ -53,7 +58,9 @@ class ScheduledSeq:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "start", self.seq.num_computed_tokens)
-        object.__setattr__(self, "needs_sampling", self.start + self.num_new_tokens == self.seq.num_tokens)
+        object.__setattr__(self, "draft_token_ids", tuple(self.draft_token_ids))
+        known_end = self.start + self.num_new_tokens - len(self.draft_token_ids)
+        object.__setattr__(self, "needs_sampling", known_end == self.seq.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,15 @@ class SchedulerOutput:
 #      computes its whole prompt). Admission is strict FCFS (a head that does not fit blocks the
 #      queue) and is skipped in a step that preempted.
 # A long prompt therefore never delays decodes: it only uses the budget they leave.
+#
+# Draft tokens (speculative decoding) are tokens to compute like any other. A decode offered k
+# drafts computes 1 + k tokens: its last known token and the drafts, whose logits verify them.
+# Drafts take what the step's budget has left after one token for every decode (reserved in
+# step 1, before prefill chunks), and blocks only after everything else running got its own
+# (step 1b): when blocks run short a decode verifies fewer drafts or none. Drafts never preempt
+# anything and never keep a request waiting; the budget they reserved but could not use goes
+# back before admission. After verification `accept_drafts` keeps the accepted ones as computed
+# and frees the blocks that held only rejected ones.
 #
 # Preemption is by recompute. When a running sequence cannot get blocks, the most recently
 # arrived running sequence (the tail of `running`) is preempted: its blocks are freed (full ones
@@ -181,8 +197,12 @@ class Scheduler:
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step (see the NOTE). Allocates the blocks the planned tokens need."""
+    def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
+        """Plan one step (see the NOTE). Allocates the blocks the planned tokens need.
+
+        `drafts` maps running decodes to draft tokens to verify this step (at most what the
+        budget and free blocks allow is taken, a prefix of each)."""
+        drafts = drafts or {}
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -190,6 +210,8 @@ class Scheduler:
 
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        spare = budget - len(decodes)  # budget left for drafts once every decode has its token
+        reserved: dict[int, int] = {}  # index in `scheduled` -> drafts it reserved budget for
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget
@@ -201,8 +223,14 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                num_drafts = min(len(drafts.get(seq, ())), spare, budget - num_new)
+                if num_drafts > 0 and num_new == 1:
+                    reserved[len(scheduled)] = num_drafts
+                    spare -= num_drafts
+                    budget -= num_drafts
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
+        budget += self._add_drafts(scheduled, reserved, drafts)
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -237,17 +265,47 @@ class Scheduler:
             imports=imports,
         )
 
-    def commit(self, output: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens are computed; cache newly full blocks.
+    def _add_drafts(self, scheduled: list[ScheduledSeq], reserved: dict[int, int],
+                    drafts: Mapping[Sequence, list[int]]) -> int:
+        """Gives each decode in `reserved` the blocks for as many of its drafts as fit (never
+        preempting); returns the reserved budget left unused."""
+        unused = 0
+        for i, wanted in reserved.items():
+            seq = scheduled[i].seq
+            num_drafts = wanted
+            while num_drafts and not self.block_manager.allocate_slots(seq, 1 + num_drafts):
+                num_drafts -= 1
+            if num_drafts:
+                scheduled[i] = ScheduledSeq(seq, 1 + num_drafts, tuple(drafts[seq][:num_drafts]))
+            unused += wanted - num_drafts
+        return unused
 
+    def commit(self, output: SchedulerOutput) -> None:
+        """After the forward: the scheduled known tokens are computed; cache newly full blocks.
+
+        Draft tokens are not known tokens yet: `accept_drafts` counts the accepted ones.
         Sequences finished or aborted since `schedule` are skipped.
         """
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq.num_computed_tokens = item.start + item.num_new_tokens - len(item.draft_token_ids)
             self.block_manager.cache_full_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verifying seq's drafts and appending the tokens it emitted (the accepted drafts
+        and one more): the accepted drafts' KV counts as computed, full blocks are cached, and
+        blocks past the last known token (only rejected drafts' KV) are freed. The KV of rejected
+        drafts inside a kept block is overwritten before anything attends to it."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return
+        seq.num_computed_tokens += num_accepted
+        if seq.num_computed_tokens >= seq.num_tokens:
+            raise RuntimeError(f"{seq.request_id!r}: {num_accepted} accepted drafts leave no token "
+                               "to compute; append the emitted tokens first")
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.trim(seq, seq.num_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq: free its blocks and forget it. Idempotent."""

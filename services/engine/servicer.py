@@ -16,6 +16,7 @@ from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import RequestOutput
 from kvmesh.services.engine.sampler import TokenLogprobs
 from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.speculation import SpecMode
 
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -23,6 +24,23 @@ _FINISH = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "stop_string": common_pb2.FINISH_REASON_STOP_STRING,
 }
+
+
+_SPECULATION = {
+    engine_pb2.SPECULATION_UNSPECIFIED: None,
+    engine_pb2.SPECULATION_OFF: SpecMode.OFF,
+    engine_pb2.SPECULATION_NGRAM: SpecMode.NGRAM,
+    engine_pb2.SPECULATION_MODEL: SpecMode.MODEL,
+    engine_pb2.SPECULATION_ADAPTIVE: SpecMode.ADAPTIVE,
+}
+
+
+def speculation_from_proto(value: int) -> SpecMode | None:
+    """GenerateRequest.speculation as a SpecMode (None: the engine's default)."""
+    if value not in _SPECULATION:
+        raise InvalidArgument(f"speculation {value} is not a kvmesh.engine.v1.Speculation value; "
+                              "use SPECULATION_OFF, _NGRAM, _MODEL or _ADAPTIVE")
+    return _SPECULATION[value]
 
 
 def _reject_unknown_fields(msg, path: str) -> None:
@@ -84,9 +102,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             _reject_unknown_fields(request.token_ids, "token_ids")
             ids = list(request.token_ids.ids)
         params = sampling_from_proto(request.sampling)
+        speculation = speculation_from_proto(request.speculation)
         salt = request.cache_salt.encode()
         async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt,
-                                              kv_codec=request.kv_codec):
+                                              kv_codec=request.kv_codec, speculation=speculation):
             yield self._to_proto(out, tokenizer)
 
     def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:
@@ -102,6 +121,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                        completion_tokens=u.completion_tokens,
                                        cached_prompt_tokens=u.cached_prompt_tokens),
                 stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s))
+            if out.spec is not None:
+                msg.final.spec_steps = out.spec.steps
+                msg.final.draft_tokens = out.spec.draft_tokens
+                msg.final.accepted_draft_tokens = out.spec.accepted_tokens
         return msg
 
     async def Abort(self, request: engine_pb2.AbortRequest,

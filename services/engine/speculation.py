@@ -1,0 +1,118 @@
+"""Speculative decoding, the engine's half: verifying draft tokens against the target model.
+
+Drafts come from the draft service (see draft_client); the scheduler computes them in the same
+forward pass as every other token (see its NOTE), the runner returns the logits of every draft
+position, and this module decides which drafts the target accepts.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.services.engine.sampler import sampling_probs
+from kvmesh.services.engine.sampling import SamplingParams
+
+
+class SpecMode(str, enum.Enum):
+    """Speculative decoding policy of one request (mirrors kvmesh.engine.v1.Speculation)."""
+
+    OFF = "off"
+    """Plain decoding."""
+    NGRAM = "ngram"
+    """Prompt-lookup drafts."""
+    MODEL = "model"
+    """Drafts from the draft service's model drafter."""
+    ADAPTIVE = "adaptive"
+    """The draft service picks drafter and draft length from the acceptance it sees."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class SpecUsage:
+    """Speculative decoding counters of one request, or of the whole engine."""
+
+    steps: int = 0
+    """Decode steps that verified at least one draft token."""
+    draft_tokens: int = 0
+    """Draft tokens verified (proposed tokens the step had no budget or blocks for are not)."""
+    accepted_tokens: int = 0
+    """Verified draft tokens that were accepted and emitted (a stop inside an accepted run
+    drops the rest of it)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying k drafts: the accepted ones and the target's next token."""
+
+    token_ids: list[int]
+    """Tokens to emit, in order: drafts[:num_accepted], then one token from the target
+    (a correction at the first rejection, or the bonus token after all k): 1..k+1 tokens."""
+    num_accepted: int
+
+
+# NOTE: the acceptance rule (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023,
+# specialised to a point-mass proposal).
+#
+# The engine's last token t and the drafts x_1..x_k were computed in one forward pass: logits
+# row j (0..k) is the target's distribution of the token after t, x_1..x_j. Let p_j be the
+# distribution the request samples from at row j: softmax(logits_j / temperature) after top-k
+# and top-p, exactly what plain sampling uses (sampler.sampling_probs).
+#
+# The draft service proposes tokens, not distributions: a proposal is a point mass q(x_j) = 1.
+# Speculative sampling accepts x_j with probability min(1, p_j(x_j) / q(x_j)) = p_j(x_j), and on
+# rejection samples from the residual max(0, p_j - q) normalised, which is p_j with x_j removed:
+#
+#     for j in 1..k:
+#         u ~ U[0, 1)                               (the request's own generator)
+#         if u < p_{j-1}(x_j):  accept x_j, go on
+#         else:                 emit y ~ p_{j-1}(. | y != x_j); stop       (the correction)
+#     all k accepted:           emit y ~ p_k                               (the bonus token)
+#
+# Each emitted token is then distributed exactly as under p: P(x) = p(x) from the accept branch,
+# and for y != x, P(y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y). So the output distribution of a
+# sampled request is the target's whatever the drafts are; good drafts only make it faster.
+# Greedy requests (temperature 0) have p_j = one-hot(argmax_j), so the rule becomes: accept the
+# longest prefix of drafts equal to the target's argmax, then emit the argmax at the first
+# mismatch (or after all k) -- token for token what plain greedy decoding produces.
+#
+# A sampled request's random stream is consumed differently than by plain sampling, so a seed
+# reproduces its output only under the same drafts (which depend on the draft service).
+
+
+def verify(logits: torch.Tensor, drafts: tuple[int, ...] | list[int], params: SamplingParams,
+           generator: torch.Generator | None) -> Verdict:
+    """Applies the acceptance rule (see the NOTE) to one sequence.
+
+    logits: [k + 1, vocab] float32, row j predicting the token after draft j (row 0: after the
+    last known token); drafts: the k draft token ids; generator: the request's own (None when
+    greedy), on logits' device.
+    """
+    k = len(drafts)
+    if logits.dim() != 2 or logits.shape[0] != k + 1:
+        raise ValueError(f"expected logits [{k + 1}, vocab] for {k} drafts, got {list(logits.shape)}")
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()  # [k + 1]
+        n = 0
+        while n < k and drafts[n] == target[n]:
+            n += 1
+        return Verdict(target[:n + 1], n)
+    if generator is None:
+        raise ValueError("a sampled request (temperature > 0) needs its generator")
+    probs = sampling_probs(logits, [params] * (k + 1))  # [k + 1, V]
+    for j, x in enumerate(drafts):
+        p = probs[j]  # [V]
+        u = torch.rand((), generator=generator, device=p.device)
+        if u < p[x]:
+            continue
+        residual = p.clone()
+        residual[x] = 0.0
+        if not residual.sum() > 0:  # p(x) rounds to 1 but u >= p(x): nothing else to draw
+            return Verdict(list(drafts[:j + 1]), j)  # pragma: no cover - needs u == 1 - 2^-24
+        y = torch.multinomial(residual, 1, generator=generator).item()  # renormalises itself
+        return Verdict([*drafts[:j], y], j)
+    bonus = torch.multinomial(probs[k], 1, generator=generator).item()
+    return Verdict([*drafts, bonus], k)
