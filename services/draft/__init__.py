@@ -1,0 +1,1 @@
+"""The draft service: proposes draft tokens for the engines' speculative decoding."""
