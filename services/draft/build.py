@@ -58,7 +58,7 @@ def build_service(cfg: DraftConfig, loaded: LoadedModel | None = None) -> DraftS
         per_block = kv_bytes_per_block(loaded.config, cfg.block_size, loaded.dtype)
         num_blocks = max(1, cfg.kv_cache_bytes // per_block)
         drafters.append(ModelDrafter(loaded, num_blocks=num_blocks, block_size=cfg.block_size,
-                                     prefill_chunk=cfg.prefill_chunk))
+                                     catch_up_tokens=cfg.catch_up_tokens))
         log.info("model drafter: %s, KV pool %d blocks x %d tokens", drafters[-1].describe(),
                  num_blocks, cfg.block_size)
     registry = DrafterRegistry(drafters)

@@ -54,8 +54,11 @@ class DraftConfig:
         512 * MiB, "Byte budget of the draft model's KV pool (SmolLM2-135M fp32: 45 KiB per "
                    "token); when full, the least recently drafted sequences lose their KV.",
         min=1)
-    prefill_chunk: int = setting(1024, "Most committed tokens of one sequence the draft model "
-                                       "catches up on in one forward.", min=1)
+    catch_up_tokens: int = setting(
+        32, "Most committed tokens the draft model computes per Propose (all its sequences, "
+            "shortest first; >= max_draft_tokens + 1 keeps steady-state drafting unthrottled). A "
+            "sequence further behind (a new prompt, a resync) drafts nothing until caught up, so "
+            "no call waits seconds for a long prompt (CPU, 1 thread: ~6 ms per token).", min=1)
     model_cost: float = setting(
         0.6, "Adaptive: cost of one model-drafted token, in target decode steps (draft per-token "
              "time / target per-token time; int4 draft for an fp32 target on CPU ~0.6).", min=0.0)
@@ -82,6 +85,10 @@ class DraftConfig:
         if self.default_drafter == "model" and self.draft_model is None:
             raise ConfigError("--default-drafter model needs a draft model; set --draft-model "
                               "bundled (KVMESH_DRAFT_DRAFT_MODEL) or pick ngram/adaptive")
+        if self.catch_up_tokens <= self.max_draft_tokens:
+            raise ConfigError(f"--catch-up-tokens {self.catch_up_tokens} must exceed --max-draft-tokens "
+                              f"{self.max_draft_tokens}: a sequence brings up to that many accepted drafts "
+                              f"plus one token per step; use at least {self.max_draft_tokens + 1}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"--device {self.device!r} is not supported; use cpu, cuda or cuda:N "
                               "(KVMESH_DRAFT_DEVICE)")

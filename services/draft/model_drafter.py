@@ -6,8 +6,12 @@ Propose, per sequence:
   1. rollback: the KV is kept up to the longest common prefix of those tokens and the committed
      history (drafts the engine accepted stay; the first rejected draft and all after it go), and
      at most up to len(history) - 1, since the last committed token must be fed to get logits;
-  2. catch-up: the committed tokens past that prefix are prefilled (all sequences of the batch in
-     one forward; histories longer than `prefill_chunk` take several);
+  2. catch-up: the committed tokens past that prefix are computed, all sequences of the batch in
+     one forward. A call computes at most `catch_up_tokens` of them in all, shortest first: in
+     steady state a sequence brings its accepted drafts and one more token, while a new (or
+     resynced, or evicted) sequence may bring thousands, which on a CPU take seconds. A sequence
+     that does not finish catching up gets no drafts this call and continues at its next one, so
+     no call waits for a long prompt and the engines' other sequences keep their drafts;
   3. drafting: the logits of the last committed token give draft 1; drafts 1..k-1 are fed one
      decode step at a time (all sequences still drafting in one forward), so the slot ends at
      history + drafts[:k-1].
@@ -58,12 +62,12 @@ class ModelDrafter:
     kind = DrafterKind.MODEL
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
-                 prefill_chunk: int = 1024) -> None:
+                 catch_up_tokens: int = 32) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = torch.device(loaded.device)
         self.pool = DraftKvPool(num_blocks, block_size)
-        self.prefill_chunk = prefill_chunk
+        self.catch_up_tokens = catch_up_tokens
         self.max_positions = loaded.config.max_position_embeddings
         # [layers] x ([num_blocks, block_size, kv_heads, head_dim], same for V)
         self.kv = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
@@ -83,12 +87,13 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, jobs: Sequence[DraftJob]) -> list[Proposal]:
         rows: list[_Row | None] = [self._plan(job) for job in jobs]
+        self._ration([row for row in rows if row is not None])
         protected = {row.slot for row in rows if row is not None}
         for i, row in enumerate(rows):
             if row is None:
                 continue
-            history = len(row.slot.tokens) + len(row.feed)
-            if not self.pool.reserve(row.slot, history + row.want - 1, protected):
+            positions = len(row.slot.tokens) + len(row.feed) + max(row.want - 1, 0)
+            if not self.pool.reserve(row.slot, positions, protected):
                 self.pool.truncate(row.slot, 0)  # no room even after evictions: no drafts, and its
                 rows[i] = None                   # KV is recomputed when it next gets room
         live = [row for row in rows if row is not None]
@@ -118,19 +123,25 @@ class ModelDrafter:
         slot.checked = keep
         return _Row(slot, list(history[keep:]), want, [], [])
 
+    def _ration(self, rows: list[_Row]) -> None:
+        """Cuts the rows' catch-up to `catch_up_tokens` in all, shortest first; a row cut short
+        drafts nothing this call."""
+        budget = self.catch_up_tokens
+        for row in sorted(rows, key=lambda r: len(r.feed)):
+            take = min(len(row.feed), budget)
+            budget -= take
+            if take < len(row.feed):
+                del row.feed[take:]
+                row.want = 0
+
     def _catch_up(self, rows: list[_Row]) -> None:
-        """Prefills every row's committed tokens; each row's last one yields its first draft."""
-        while True:
-            pending = [row for row in rows if row.feed]
-            if not pending:
-                return
-            chunks = [row.feed[:self.prefill_chunk] for row in pending]
-            for row, chunk in zip(pending, chunks):
-                del row.feed[:len(chunk)]
-            self._step(pending, chunks, want=[not row.feed for row in pending])
-            for row in pending:
-                if not row.feed:  # the slot now holds exactly the committed history
-                    row.slot.checked = len(row.slot.tokens)
+        """Computes every row's (rationed) committed tokens in one forward; a row that caught up
+        fully takes its first draft from the logits of its last token."""
+        pending = [row for row in rows if row.feed]
+        self._step(pending, [row.feed for row in pending], want=[row.want > 0 for row in pending])
+        for row in pending:
+            row.slot.checked = len(row.slot.tokens)  # it fed committed tokens only
+            row.feed = []
 
     def _step(self, rows: list[_Row], new: list[list[int]], want: list[bool] | None = None) -> None:
         """One forward: row i computes new[i] at its next positions; rows with want[i] (default
@@ -156,8 +167,8 @@ class ModelDrafter:
         meta = AttentionMetadata.build(
             torch.tensor(slots, dtype=torch.long, device=dev), query_lens,
             [len(row.slot.tokens) for row in rows], tables, bs)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta)  # [T, hidden]
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),  # [T, hidden]
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta)
         picked = [i for i in range(len(rows)) if want is None or want[i]]
         if not picked:
             return

@@ -30,6 +30,7 @@ def test_env_and_flags():
     (["--default-drafter", "model", "--draft-model", "none"], "needs a draft model"),
     (["--device", "tpu"], "use cpu, cuda or cuda:N"),
     (["--max-draft-tokens", "0"], "below the minimum"),
+    (["--catch-up-tokens", "16"], "--catch-up-tokens 16 must exceed --max-draft-tokens 16"),
 ])
 def test_fix_it_messages(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -24,8 +24,8 @@ def context(seed: int, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def drafter(loaded, num_blocks=64, block_size=4, prefill_chunk=1024) -> ModelDrafter:
-    return ModelDrafter(loaded, num_blocks=num_blocks, block_size=block_size, prefill_chunk=prefill_chunk)
+def drafter(loaded, num_blocks=64, block_size=4, catch_up_tokens=4096) -> ModelDrafter:
+    return ModelDrafter(loaded, num_blocks=num_blocks, block_size=block_size, catch_up_tokens=catch_up_tokens)
 
 
 def check(loaded, proposal, history, k):
@@ -80,11 +80,17 @@ def test_resync_keeps_the_common_prefix_and_recomputes_the_rest(tiny):
     check(tiny, d.propose([DraftJob(state, 3)])[0], state.tokens, 3)
 
 
-def test_chunked_catch_up(tiny):
-    d = drafter(tiny, prefill_chunk=5)
-    states = [SequenceState("a", context(6, 23)), SequenceState("b", context(7, 4))]
-    for state, proposal in zip(states, d.propose([DraftJob(s, 3) for s in states])):
-        check(tiny, proposal, state.tokens, 3)
+def test_catch_up_is_rationed_per_call_shortest_first(tiny):
+    d = drafter(tiny, catch_up_tokens=6)
+    long, short = SequenceState("long", context(6, 14)), SequenceState("short", context(7, 4))
+    computed = []
+    for _ in range(3):
+        proposal, drafted = d.propose([DraftJob(long, 3), DraftJob(short, 3)])
+        check(tiny, drafted, short.tokens, 3)  # first: its 4 tokens, later: its last one again
+        assert proposal.token_ids == []
+        computed.append(len(long.slots["model"].tokens))
+    assert computed == [2, 7, 12]  # what the short one left of the 6 tokens per call
+    check(tiny, d.propose([DraftJob(long, 3), DraftJob(short, 3)])[0], long.tokens, 3)
 
 
 def test_pool_pressure_evicts_idle_sequences_and_skips_what_cannot_fit(tiny):
