@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import threading
 
 import grpc
 import pytest
@@ -97,6 +98,28 @@ async def test_bad_input_is_invalid_argument(served, bad, message):
         await served.stub.Propose(propose([bad]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
+
+
+async def test_a_call_whose_deadline_passed_in_the_queue_does_no_work():
+    async with serving_draft(draft_config()) as d:
+        service, gate = d.servicer.service, threading.Event()
+        original = service.propose
+
+        def held(requests, target_model=""):
+            gate.wait(10)  # holds the worker thread, as a long model step would
+            return original(requests, target_model)
+
+        service.propose = held
+        first = asyncio.ensure_future(d.stub.Propose(propose([seq("first", [1])]), timeout=20))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await d.stub.Propose(propose([seq("late", [1])]), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.set()
+        await first
+        service.propose = original
+        await d.stub.Propose(propose([seq("after", [1])]), timeout=10)  # behind the skipped one
+        assert "first" in service.store and "after" in service.store
+        assert "late" not in service.store
 
 
 async def test_an_ngram_only_service_refuses_the_model_drafter():
