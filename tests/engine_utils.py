@@ -184,6 +184,10 @@ class FakeDraftService:
         self.calls: list = []
         self.released: list[str] = []
         self.histories: dict[str, list[int]] = {}
+        self.drafters = [draft_pb2.DRAFTER_NGRAM, draft_pb2.DRAFTER_MODEL, draft_pb2.DRAFTER_ADAPTIVE]
+        """What GetInfo says the service offers."""
+        self.target_model = ""
+        """What GetInfo says the drafts are for ("" = not said)."""
         self.port = port
         self._server = None
         self.start()
@@ -246,7 +250,7 @@ class _FakeDraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ReleaseResponse(released=n)
 
     def GetInfo(self, request, context):
-        return draft_pb2.GetInfoResponse(drafters=[draft_pb2.DRAFTER_NGRAM])
+        return draft_pb2.GetInfoResponse(drafters=self.fake.drafters, target_model=self.fake.target_model)
 
 
 def oracle_drafts(prompts: dict[str, list[int]], outputs: dict[str, list[int]], wrong_at=None):

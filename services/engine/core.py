@@ -22,7 +22,7 @@ from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generato
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.services.engine.sequence import Sequence
-from kvmesh.services.engine.speculation import SpecMode, SpecUsage, verify
+from kvmesh.services.engine.speculation import SpecMode, SpecUsage, Verdict, verify_batch
 from kvmesh.services.engine.stop import StopStringMatcher, check_stop
 
 
@@ -256,7 +256,11 @@ class EngineCore:
             lps = sampled.logprobs
             outputs += [self._emit(st, [t], [lps[i]] if lps[i] is not None else [])
                         for i, (st, t) in enumerate(zip(states, sampled.token_ids))]
-        outputs += [self._verify(rows) for rows in result.drafts]
+        if result.drafts:
+            verdicts = verify_batch([d.logits for d in result.drafts], [d.draft_token_ids for d in result.drafts],
+                                    [d.seq.params for d in result.drafts],
+                                    [self._states[d.seq.request_id].generator for d in result.drafts])
+            outputs += [self._accept(d, v) for d, v in zip(result.drafts, verdicts)]
         if self.drafts is not None:
             self.drafts.flush()
         return outputs
@@ -278,12 +282,11 @@ class EngineCore:
                 queries.append(DraftQuery(seq, k, state.spec_mode))
         return self.drafts.propose(queries)
 
-    def _verify(self, rows: DraftLogits) -> RequestOutput:
-        """Accepts drafts (speculation.verify), emits the tokens token by token (stops cut the
-        run), then keeps the accepted drafts' KV and drops the rejected ones'."""
+    def _accept(self, rows: DraftLogits, verdict: Verdict) -> RequestOutput:
+        """Emits a verified run token by token (a stop cuts it), then keeps the accepted drafts'
+        KV and drops the rejected ones'."""
         seq = rows.seq
         state = self._states[seq.request_id]
-        verdict = verify(rows.logits, rows.draft_token_ids, seq.params, state.generator)
         tokens = verdict.token_ids
         lps = []
         if seq.params.logprobs is not None:

@@ -18,7 +18,7 @@ from kvmesh.services.engine.speculation import SpecMode
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 2.0
-"""Deadline of a Release call (off the critical path: nothing waits for it)."""
+"""Deadline of a Release or GetInfo call (off the critical path: nothing waits for them)."""
 
 _DRAFTER = {
     SpecMode.NGRAM: draft_pb2.DRAFTER_NGRAM,
@@ -89,6 +89,10 @@ class _SeqState:
 #
 # Release (finished and aborted sequences) is batched per step and sent without waiting; when
 # it fails or is skipped during a back-off the service forgets the state after its TTL.
+#
+# The service refuses a whole call that names a drafter it does not offer, so the client asks
+# GetInfo (without waiting: at start and after every outage) and, once it knows, leaves out the
+# sequences of requests whose drafter is not offered (they decode plainly; logged once).
 
 
 class DraftClient:
@@ -118,6 +122,9 @@ class DraftClient:
         self._to_release: list[str] = []
         self._retry_at = 0.0
         self._down = False
+        self._offered: Optional[frozenset[int]] = None  # drafters of the service, once known
+        self._unoffered_logged: set[SpecMode] = set()
+        self._info = self._ask_info()
 
     def sequence_id(self, request_id: str) -> str:
         return f"{self.instance_id}/{request_id}"
@@ -130,7 +137,10 @@ class DraftClient:
     def propose(self, queries: list[DraftQuery]) -> dict[Sequence, list[int]]:
         """Drafts for the queried sequences (those that got any). One Propose call with the
         configured deadline; {} without a call during a back-off, or when the call fails."""
-        if not queries or not self.available:
+        if not self.available:
+            return {}
+        queries = self._offered_only(queries)
+        if not queries:
             return {}
         request = draft_pb2.ProposeRequest(target_model=self.target_model)
         for q in queries:
@@ -157,6 +167,7 @@ class DraftClient:
         if self._down:
             log.info("draft service %s answers again; speculative decoding resumed", self.config.address)
             self._down = False
+            self._offered, self._info = None, self._ask_info()  # it may have restarted differently
         answers = {d.sequence_id: d for d in response.drafts}
         drafts: dict[Sequence, list[int]] = {}
         for q in queries:
@@ -164,7 +175,8 @@ class DraftClient:
             answer = answers.get(self.sequence_id(q.seq.request_id))
             if answer is None or answer.needs_resync:
                 state.resync = True  # no answer: the service's state is unknown, resend it all
-                self.stats.resyncs += answer is not None
+                if answer is not None:
+                    self.stats.resyncs += 1
                 continue
             state.sent, state.resync = q.seq.num_tokens, False
             tokens = self._valid_prefix(answer.token_ids, q.max_draft_tokens)
@@ -200,6 +212,32 @@ class DraftClient:
         self._connecting.cancel()
         self._channel.close()
 
+    def _ask_info(self) -> grpc.Future:
+        return self._stub.GetInfo.future(draft_pb2.GetInfoRequest(), timeout=RELEASE_TIMEOUT_S)
+
+    def _offered_only(self, queries: list[DraftQuery]) -> list[DraftQuery]:
+        """The queries whose drafter the service offers (all of them while that is unknown)."""
+        if self._offered is None and self._info.done():
+            try:
+                info = self._info.result()
+            except grpc.RpcError:
+                self._info = self._ask_info() if self.available else self._info
+                return queries
+            self._offered = frozenset(info.drafters)
+            if info.target_model and info.target_model != self.target_model:
+                log.error("draft service %s drafts for model %s, not this engine's %s; its calls will "
+                          "fail until --draft-address names a service for this model",
+                          self.config.address, info.target_model, self.target_model)
+        if self._offered is None:
+            return queries
+        kept = [q for q in queries if _DRAFTER[q.mode] in self._offered]
+        for q in queries:
+            if _DRAFTER[q.mode] not in self._offered and q.mode not in self._unoffered_logged:
+                self._unoffered_logged.add(q.mode)
+                log.warning("draft service %s offers no %s drafter; requests asking for it decode "
+                            "without drafts", self.config.address, q.mode)
+        return kept
+
     def _release_done(self, future: grpc.Future) -> None:
         if future.exception() is not None:  # on a gRPC thread: count only
             self.stats.release_failures += 1
@@ -217,9 +255,10 @@ class DraftClient:
         self.stats.failures += 1
         self._retry_at = self._clock() + self.config.retry_s
         code = err.code() if isinstance(err, grpc.Call) else None
-        if code is grpc.StatusCode.FAILED_PRECONDITION:
-            log.error("draft service %s drafts for another model (%s); check --draft-address. "
-                      "Retrying in %.1f s", self.config.address, err.details(), self.config.retry_s)
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            log.error("draft service %s refused drafting (%s: %s); check --draft-address and the "
+                      "service's limits. Retrying in %.1f s", self.config.address, code.name,
+                      err.details(), self.config.retry_s)
         elif not self._down:
             log.warning("draft service %s failed (%s); decoding without drafts, retrying every %.1f s",
                         self.config.address, code.name if code else err, self.config.retry_s)

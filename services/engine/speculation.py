@@ -66,11 +66,11 @@ class Verdict:
 # Speculative sampling accepts x_j with probability min(1, p_j(x_j) / q(x_j)) = p_j(x_j), and on
 # rejection samples from the residual max(0, p_j - q) normalised, which is p_j with x_j removed:
 #
+#     u_1..u_k ~ U[0, 1)                              (the request's own generator)
 #     for j in 1..k:
-#         u ~ U[0, 1)                               (the request's own generator)
-#         if u < p_{j-1}(x_j):  accept x_j, go on
-#         else:                 emit y ~ p_{j-1}(. | y != x_j); stop       (the correction)
-#     all k accepted:           emit y ~ p_k                               (the bonus token)
+#         if u_j < p_{j-1}(x_j):  accept x_j, go on
+#         else:                   emit y ~ p_{j-1}(. | y != x_j); stop     (the correction)
+#     all k accepted:             emit y ~ p_k                             (the bonus token)
 #
 # Each emitted token is then distributed exactly as under p: P(x) = p(x) from the accept branch,
 # and for y != x, P(y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y). So the output distribution of a
@@ -91,28 +91,63 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...] | list[int], params: Sa
     last known token); drafts: the k draft token ids; generator: the request's own (None when
     greedy), on logits' device.
     """
+    return verify_batch([logits], [tuple(drafts)], [params], [generator])[0]
+
+
+def verify_batch(logits: list[torch.Tensor], drafts: list[tuple[int, ...]], params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[Verdict]:
+    """`verify` for several sequences with one argmax and one sampling_probs over all their rows
+    (per-sequence tensor ops cost more than the arithmetic on a CPU), then the rule per sequence."""
+    for rows, d in zip(logits, drafts):
+        if rows.dim() != 2 or rows.shape[0] != len(d) + 1:
+            raise ValueError(f"expected logits [{len(d) + 1}, vocab] for {len(d)} drafts, got {list(rows.shape)}")
+    flat = torch.cat(logits)  # [R, V], R = sum of (k + 1)
+    starts = [0]
+    for rows in logits:
+        starts.append(starts[-1] + rows.shape[0])
+    argmax = flat.argmax(dim=-1).tolist() if any(p.greedy for p in params) else []  # [R]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    probs = {}
+    if sampled:
+        index = torch.tensor([r for i in sampled for r in range(starts[i], starts[i + 1])])
+        row_params = [params[i] for i in sampled for _ in range(starts[i], starts[i + 1])]
+        p_all = sampling_probs(flat[index], row_params)  # [S, V]
+        offset = 0
+        for i in sampled:
+            n = starts[i + 1] - starts[i]
+            probs[i], offset = p_all[offset:offset + n], offset + n
+    verdicts = []
+    for i, d in enumerate(drafts):
+        if params[i].greedy:
+            verdicts.append(_accept_greedy(argmax[starts[i]:starts[i + 1]], d))
+        elif generators[i] is None:
+            raise ValueError("a sampled request (temperature > 0) needs its generator")
+        else:
+            verdicts.append(_accept_sampled(probs[i], d, generators[i]))
+    return verdicts
+
+
+def _accept_greedy(target: list[int], drafts: tuple[int, ...]) -> Verdict:
+    """target: the argmax of each of the k + 1 rows."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return Verdict(target[:n + 1], n)
+
+
+def _accept_sampled(probs: torch.Tensor, drafts: tuple[int, ...], generator: torch.Generator) -> Verdict:
+    """probs: [k + 1, V], row j the distribution p_j of the NOTE."""
     k = len(drafts)
-    if logits.dim() != 2 or logits.shape[0] != k + 1:
-        raise ValueError(f"expected logits [{k + 1}, vocab] for {k} drafts, got {list(logits.shape)}")
-    if params.greedy:
-        target = logits.argmax(dim=-1).tolist()  # [k + 1]
-        n = 0
-        while n < k and drafts[n] == target[n]:
-            n += 1
-        return Verdict(target[:n + 1], n)
-    if generator is None:
-        raise ValueError("a sampled request (temperature > 0) needs its generator")
-    probs = sampling_probs(logits, [params] * (k + 1))  # [k + 1, V]
+    p_draft = probs[torch.arange(k), torch.tensor(drafts, dtype=torch.long)].tolist()  # [k]: p_j(x_j)
+    u = torch.rand(k, generator=generator, device=probs.device).tolist()  # [k] ~ U[0, 1)
     for j, x in enumerate(drafts):
-        p = probs[j]  # [V]
-        u = torch.rand((), generator=generator, device=p.device)
-        if u < p[x]:
-            continue
-        residual = p.clone()
+        if u[j] < p_draft[j]:
+            continue  # accepted
+        residual = probs[j].clone()  # [V]: p_j with x removed (multinomial renormalises)
         residual[x] = 0.0
-        if not residual.sum() > 0:  # p(x) rounds to 1 but u >= p(x): nothing else to draw
-            return Verdict(list(drafts[:j + 1]), j)  # pragma: no cover - needs u == 1 - 2^-24
-        y = torch.multinomial(residual, 1, generator=generator).item()  # renormalises itself
+        if not residual.sum() > 0:  # p_j(x) rounds to 1 yet u >= p_j(x): x is all there is
+            return Verdict(list(drafts[:j + 1]), j)
+        y = torch.multinomial(residual, 1, generator=generator).item()
         return Verdict([*drafts[:j], y], j)
     bonus = torch.multinomial(probs[k], 1, generator=generator).item()
     return Verdict([*drafts, bonus], k)
