@@ -7,8 +7,8 @@ from kvmesh.metrics import metric_name
 
 PROPOSALS = Counter(
     metric_name("draft", "proposals"),
-    "Sequence drafts answered, by the drafter that answered (adaptive: when it chose to draft "
-    "nothing), empty ones included; resync answers are not counted.", ["drafter"])
+    "Sequences that asked for drafts, by the drafter that answered (adaptive: it chose to draft "
+    "nothing), empty answers included; needs_resync answers are not counted.", ["drafter"])
 PROPOSED_TOKENS = Counter(
     metric_name("draft", "proposed_tokens"), "Draft tokens proposed, by drafter.", ["drafter"])
 ACCEPTED_TOKENS = Counter(

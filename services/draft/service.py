@@ -115,7 +115,7 @@ class DraftService:
         self._validate(requests, target_model)
         with self._lock:
             answers: list[SequenceDraft | None] = [None] * len(requests)
-            plans: dict[int, tuple[SequenceState, _Plan]] = {}
+            plans: dict[int, tuple[SequenceState, DrafterKind, _Plan]] = {}
             for i, req in enumerate(requests):
                 kind = req.drafter or self.default_drafter
                 state = self._ingest(req)
@@ -124,23 +124,20 @@ class DraftService:
                     answers[i] = SequenceDraft(req.sequence_id, [], [], kind, needs_resync=True)
                     continue
                 self._score(state, req.last_accepted)
-                plan = (self._planners[kind](state, req.max_draft_tokens) if req.max_draft_tokens
-                        else _Plan(None, 0))
-                if plan.drafter is None:  # adaptive chose nothing, or no drafts were asked for
+                if req.max_draft_tokens == 0:  # only recording the new tokens
                     answers[i] = SequenceDraft(req.sequence_id, [], [], kind)
-                if req.max_draft_tokens:
-                    plans[i] = (state, plan)
-            proposals = self._run(plans)
-            for i, proposal in proposals.items():
-                state, plan = plans[i]
+                    continue
+                plans[i] = (state, kind, self._planners[kind](state, req.max_draft_tokens))
+            proposals = self._run({i: (state, plan) for i, (state, _, plan) in plans.items()})
+            for i, (state, kind, plan) in plans.items():
+                proposal = proposals.get(i, Proposal([]))
+                drafter = plan.drafter or kind  # ADAPTIVE when it chose to draft nothing
                 answers[i] = SequenceDraft(requests[i].sequence_id, proposal.token_ids,
-                                           proposal.logprobs, plan.drafter)
-            for i, (state, plan) in plans.items():
-                drafted = answers[i]
-                proposed = len(drafted.token_ids)
-                state.last_proposal = LastProposal(drafted.drafter, proposed) if proposed else None
-                metrics.PROPOSALS.labels(drafted.drafter.value).inc()
-                metrics.PROPOSED_TOKENS.labels(drafted.drafter.value).inc(proposed)
+                                           proposal.logprobs, drafter)
+                proposed = len(proposal.token_ids)
+                state.last_proposal = LastProposal(drafter, proposed) if proposed else None
+                metrics.PROPOSALS.labels(drafter.value).inc()
+                metrics.PROPOSED_TOKENS.labels(drafter.value).inc(proposed)
             metrics.SEQUENCES.set(len(self.store))
         metrics.PROPOSE_SECONDS.observe(time.perf_counter() - start)
         return answers  # type: ignore[return-value]  # every entry is set above
