@@ -139,8 +139,10 @@ def run(quick: bool = False) -> list[dict]:
         draft = launcher.start_service("bench-draft", "kvmesh.services.draft", ["--threads", threads],
                                        launcher.free_port())
         procs.append(draft)
+        # The model drafter needs ~30 ms per draft token here: a deadline that lets k=4 through.
         engine = launcher.start_service("bench-engine", "kvmesh.services.engine",
-                                        ["--threads", threads, "--draft-address", draft.address],
+                                        ["--threads", threads, "--draft-address", draft.address,
+                                         "--draft-timeout-s", "1.0"],
                                         launcher.free_port())
         procs.append(engine)
         for workload, texts in workloads.items():

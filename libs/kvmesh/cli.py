@@ -12,9 +12,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     plan = launcher.StackPlan(
         ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
-                                  engine=args.engine_port, kvcache=args.kvcache_port),
+                                  engine=args.engine_port, kvcache=args.kvcache_port, draft=args.draft_port),
         replicas=args.replicas, cascade=args.cascade, engine_args=tuple(args.engine_arg),
-        kvcache_args=tuple(args.kvcache_arg), router_args=tuple(args.router_arg),
+        kvcache_args=tuple(args.kvcache_arg), draft_args=tuple(args.draft_arg), router_args=tuple(args.router_arg),
         gateway_args=tuple(args.gateway_arg))
     try:
         procs = launcher.up(plan)
@@ -112,12 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--replicas", type=int, default=1, help="engine replicas of the full model")
     up.add_argument("--cascade", action="store_true",
                     help="also start a cheap tier (int4 weights) and a cascade route 'auto' over both tiers")
-    for svc, example in (("engine", "--weights=int8"), ("kvcache", "--memory-bytes=1073741824"),
+    for svc, example in (("engine", "--weights=int8"), ("kvcache", "--memory-bytes=1073741824"), ("draft", "--default-drafter=ngram"),
                          ("router", "--policy=round_robin"), ("gateway", "--keys-file=keys.json")):
         up.add_argument(f"--{svc}-arg", action="append", default=[],
                         help=f"extra flag for the {svc} (repeatable), e.g. --{svc}-arg={example}")
     for svc, port in (("http", 8000), ("gateway", 50051), ("router", 50081), ("engine", 50061),
-                      ("kvcache", 50071)):
+                      ("kvcache", 50071), ("draft", 50091)):
         up.add_argument(f"--{svc}-port", type=int, default=port,
                         help=f"{svc} port" + (" (OpenAI API)" if svc == "http" else " (gRPC)"))
     up.set_defaults(fn=_cmd_up)

@@ -147,12 +147,13 @@ class StackPorts:
     router: int = 50081
     engine: int = 50061
     kvcache: int = 50071
+    draft: int = 50091
 
 
 @dataclass(frozen=True)
 class StackPlan:
-    """What `kvmesh up` starts: the KV-cache service, `replicas` engines of the full model (one
-    router tier), optionally a cheap tier (int4 weights) with a cascade route over both, the
+    """What `kvmesh up` starts: the KV-cache service, the draft service, `replicas` engines of the
+    full model (one router tier), optionally a cheap tier (int4 weights) with a cascade route over both, the
     router and the gateway. Extra flags go to every process of one kind."""
 
     ports: StackPorts = StackPorts()
@@ -161,6 +162,7 @@ class StackPlan:
     engine_args: tuple[str, ...] = ()
     cheap_args: tuple[str, ...] = ("--weights", "int4")
     kvcache_args: tuple[str, ...] = ()
+    draft_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     served_name: str = "smollm2-135m-instruct"
@@ -196,7 +198,11 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
     kv = f"127.0.0.1:{ports.kvcache}"
     specs = [ServiceSpec("kvcache", "kvmesh.services.kvcache",
                          ("--data-dir", str(data / "kvcache"), *plan.kvcache_args), ports.kvcache, one_thread)]
-    common = ("--kvcache-address", kv, "--threads", threads, "--served-name", plan.served_name)
+    # The draft service answers between the engine's steps (the engine waits for it): one thread.
+    specs.append(ServiceSpec("draft", "kvmesh.services.draft", ("--threads", "1", *plan.draft_args),
+                             ports.draft, one_thread))
+    common = ("--kvcache-address", kv, "--draft-address", f"127.0.0.1:{ports.draft}",
+              "--threads", threads, "--served-name", plan.served_name)
     full = [ServiceSpec("engine" if plan.replicas == 1 else f"engine-{i}", "kvmesh.services.engine",
                         (*common, *plan.engine_args), ports.engine + i) for i in range(plan.replicas)]
     specs += full
@@ -219,7 +225,7 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
 
 def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
     """Starts the local stack unless it is already running — the KV-cache service (LMDB under the
-    data directory), the engines linked to it, the router over them and the gateway (OpenAI HTTP
+    data directory), the draft service, the engines linked to both, the router over them and the gateway (OpenAI HTTP
     on 127.0.0.1:`ports.http`) — each waited on until healthy. Returns them in start order."""
     running = [p for p in load_state() if alive(p.pid)]
     if running:

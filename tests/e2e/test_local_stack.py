@@ -26,13 +26,13 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_up_status_chat_down(tmp_path):
     env = {**os.environ, "KVMESH_DATA_DIR": str(tmp_path)}
-    ports = [f"--{svc}-port={launcher.free_port()}" for svc in ("http", "gateway", "router", "engine", "kvcache")]
+    ports = [f"--{svc}-port={launcher.free_port()}" for svc in ("http", "gateway", "router", "engine", "kvcache", "draft")]
     up = _kvmesh("up", *ports, "--engine-arg=--kv-cache-bytes=67108864", env=env)
     assert up.returncode == 0, up.stderr
     try:
         status = _kvmesh("status", env=env)
         assert status.returncode == 0, status.stdout
-        assert status.stdout.count("SERVING") == 4, status.stdout   # kvcache, engine, router, gateway
+        assert status.stdout.count("SERVING") == 5, status.stdout   # kvcache, draft, engine, router, gateway
         # through the gateway's OpenAI API, found from the stack's state
         chat = _kvmesh("chat", "What is the capital of France?", "--max-tokens", "12", env=env)
         assert chat.returncode == 0, chat.stderr
@@ -41,7 +41,7 @@ def test_up_status_chat_down(tmp_path):
     finally:
         down = _kvmesh("down", env=env)
     assert down.returncode == 0
-    assert all(name in down.stdout for name in ("gateway", "router", "engine", "kvcache")), down.stdout
+    assert all(name in down.stdout for name in ("gateway", "router", "engine", "draft", "kvcache")), down.stdout
     after = _kvmesh("status", env=env)
     assert after.returncode == 3
     assert (tmp_path / "logs" / "engine.log").read_text().count("listening on") == 1

@@ -26,7 +26,7 @@ def stack(tmp_path_factory):
     mp.setenv("KVMESH_DATA_DIR", str(data))
     ports = launcher.StackPorts(http=launcher.free_port(), gateway=launcher.free_port(),
                                 router=launcher.free_port(), engine=launcher.free_port(),
-                                kvcache=launcher.free_port())
+                                kvcache=launcher.free_port(), draft=launcher.free_port())
     procs = launcher.up(launcher.StackPlan(ports=ports, engine_args=("--kv-cache-bytes", str(64 << 20))))
     try:
         yield {p.name: p for p in procs}

@@ -14,10 +14,12 @@ def _args(spec) -> dict[str, str]:
 def test_default_plan_is_one_engine_behind_router_and_gateway(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     specs = stack_services(StackPlan(), Path("/data"))
-    assert [s.name for s in specs] == ["kvcache", "engine", "router", "gateway"]
-    kv, engine, router, gateway = specs
+    assert [s.name for s in specs] == ["kvcache", "draft", "engine", "router", "gateway"]
+    kv, draft, engine, router, gateway = specs
     assert _args(kv)["--data-dir"] == "/data/kvcache" and dict(kv.env) == {"OMP_NUM_THREADS": "1"}
     assert _args(engine)["--kvcache-address"] == "127.0.0.1:50071"
+    assert _args(engine)["--draft-address"] == "127.0.0.1:50091" and draft.port == 50091
+    assert _args(draft)["--threads"] == "1"
     assert _args(engine)["--threads"] == "2" and not engine.env     # the busy engine gets the cores
     assert _args(router)["--tiers"] == "smollm2-135m-instruct=127.0.0.1:50061@1.0"
     assert _args(gateway)["--router-address"] == "127.0.0.1:50081"
