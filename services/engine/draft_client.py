@@ -257,9 +257,9 @@ class DraftClient:
         code = err.code() if isinstance(err, grpc.Call) else None
         if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
             log.error("draft service %s refused drafting (%s: %s); check --draft-address and the "
-                      "service's limits. Retrying in %.1f s", self.config.address, code.name,
+                      "service's limits. Retrying in %g s", self.config.address, code.name,
                       err.details(), self.config.retry_s)
         elif not self._down:
-            log.warning("draft service %s failed (%s); decoding without drafts, retrying every %.1f s",
+            log.warning("draft service %s failed (%s); decoding without drafts, retrying every %g s",
                         self.config.address, code.name if code else err, self.config.retry_s)
         self._down = True
