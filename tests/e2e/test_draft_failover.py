@@ -41,7 +41,7 @@ def test_engine_survives_the_draft_service_and_recovers(tmp_path, monkeypatch):
     monkeypatch.setenv("KVMESH_DATA_DIR", str(tmp_path))
     tok = load_tokenizer("bundled")
     draft_port = launcher.free_port()
-    draft_args = ["--default-drafter", "ngram"]
+    draft_args = ["--default-drafter", "ngram", "--draft-model", "none"]  # n-gram only: quick to start
     one = {"OMP_NUM_THREADS": "1"}
     draft = launcher.start_service("draft", "kvmesh.services.draft", draft_args, draft_port, env=one)
     engine = launcher.start_service(
