@@ -69,7 +69,8 @@ class _SeqState:
     resync: bool = False
     """The service asked for the whole sequence: send it in `resync` next time."""
     last_accepted: Optional[int] = None
-    """Drafts accepted at this sequence's previous verification."""
+    """Drafts accepted at this sequence's last verification, until sent (the service scores it
+    against its previous answer; unset when those drafts were not verified)."""
 
 
 # NOTE: per-sequence state and failures.
@@ -83,7 +84,8 @@ class _SeqState:
 # length in the next call tells it.
 #
 # A failed call (error, deadline) costs that step its drafts and turns calls off for `retry_s`,
-# so a service that is down costs one deadline per `retry_s`, not one per step. The channel's
+# so a service that is down costs one deadline per `retry_s`, not one per step. A single late
+# answer is forgiven (the next step calls again); two in a row count as slow, and back off. The channel's
 # own reconnect back-off is capped at `retry_s` too, so the first call after the service comes
 # back finds a connection (or is the one that starts it), and speculation resumes by itself.
 #
@@ -121,7 +123,8 @@ class DraftClient:
         self._seqs: dict[str, _SeqState] = {}
         self._to_release: list[str] = []
         self._retry_at = 0.0
-        self._down = False
+        self._down = False  # failed and backing off (logged once per outage)
+        self._late = False  # the last call missed its deadline
         self._offered: Optional[frozenset[int]] = None  # drafters of the service, once known
         self._unoffered_logged: set[SpecMode] = set()
         self._info = self._ask_info()
@@ -152,8 +155,8 @@ class DraftClient:
                 msg.resync.extend(q.seq.token_ids(0, n))
             else:
                 msg.new_token_ids.extend(q.seq.token_ids(state.sent, n))
-            if state.last_accepted is not None:
-                msg.last_accepted = state.last_accepted
+            if state.last_accepted is not None:  # scores the previous answer, once
+                msg.last_accepted, state.last_accepted = state.last_accepted, None
         self.stats.calls += 1
         t0 = time.perf_counter()
         try:
@@ -164,6 +167,7 @@ class DraftClient:
         finally:
             if self.on_propose is not None:
                 self.on_propose(time.perf_counter() - t0)
+        self._late = False
         if self._down:
             log.info("draft service %s answers again; speculative decoding resumed", self.config.address)
             self._down = False
@@ -253,8 +257,12 @@ class DraftClient:
 
     def _failed(self, err: grpc.RpcError) -> None:
         self.stats.failures += 1
-        self._retry_at = self._clock() + self.config.retry_s
         code = err.code() if isinstance(err, grpc.Call) else None
+        late_once = code is grpc.StatusCode.DEADLINE_EXCEEDED and not self._late
+        self._late = code is grpc.StatusCode.DEADLINE_EXCEEDED
+        if late_once:  # one late answer (a pause, a catch-up): the next step tries again
+            return
+        self._retry_at = self._clock() + self.config.retry_s
         if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
             log.error("draft service %s refused drafting (%s: %s); check --draft-address and the "
                       "service's limits. Retrying in %g s", self.config.address, code.name,

@@ -146,3 +146,29 @@ def test_a_drafter_the_service_does_not_offer_is_not_asked_for(tiny, fake, plain
     assert finals["r0"].spec.steps == 0 and finals["r1"].spec.steps > 0
     assert {s.drafter for c in fake.calls for s in c.sequences} == {draft_pb2.DRAFTER_NGRAM}
     assert core.drafts.stats.failures == 0
+
+
+def test_one_late_answer_is_forgiven_two_in_a_row_back_off(tiny, fake, plain):
+    oracle, calls = fake.propose, []
+
+    def late_once(rid, history, k):
+        calls.append(rid)
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return oracle(rid, history, k)
+
+    fake.propose = late_once
+    core = _core(tiny, fake, draft_timeout_s=0.1, draft_retry_s=60)
+    run = _Run(core)
+    run.steps(3)
+    assert core.drafts.stats.failures == 1 and core.drafts.available   # the next step called again
+    assert core.spec_totals.steps > 0
+    fake.delay_s = 0.3
+    run.steps(4)
+    assert core.drafts.stats.failures == 3 and not core.drafts.available
+    assert len(fake.calls) == core.drafts.stats.calls                  # no call while backing off
+    calls_then = len(fake.calls)
+    run.steps(2)
+    assert len(fake.calls) == calls_then
+    fake.delay_s = 0.0
+    assert run.finish().tokens == plain

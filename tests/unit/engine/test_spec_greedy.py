@@ -265,3 +265,13 @@ def test_no_draft_service_means_plain_decoding_whatever_the_request_asks(tiny):
     while core.has_work:
         outs += core.step()
     assert outs[-1].finished and outs[-1].spec.steps == 0
+
+
+def test_last_accepted_feeds_back_each_verification_once(tiny, fake):
+    prompts, params = _prompts(1), greedy(14, ignore_eos=True)
+    plain = _plain(tiny, prompts, params)
+    fake.propose = oracle_drafts(prompts, {r: v["tokens"] for r, v in plain.items()}, wrong_at={1})
+    run_all(_spec_core(tiny, fake), prompts, params)
+    sent = [s.last_accepted if s.HasField("last_accepted") else None for c in fake.calls for s in c.sequences]
+    assert sent == [None] + [1] * (len(sent) - 1)
+    assert len(sent) == _expected_counts(14, K, lambda n: 1)[0]
