@@ -58,8 +58,12 @@ class StepResult:
 # 1 + k single-token rows that share the sequence's block table, row j with context s+j+1. The
 # step writes every new token's KV before any row attends, so row j sees exactly the keys a
 # causal mask would give it, and all of them go through the batched decode path with every
-# other decode: one batched SDPA however many sequences speculate, and the same arithmetic as
-# plain decoding (a greedy verification reproduces plain greedy decoding's argmax).
+# other decode: one batched SDPA however many sequences speculate, and the attention arithmetic
+# of plain decoding. (The linear layers see more rows, which may round differently in the last
+# bits, as any change in the batch does in plain decoding; greedy outputs can only differ where
+# plain decoding's own argmax is a tie at float precision.) The cost: each row gathers its
+# sequence's blocks, so a verification reads the context 1 + k times (a paged-attention
+# kernel that reads blocks in place would not).
 
 
 def blocks_for_budget(loaded: LoadedModel, block_size: int, budget_bytes: int) -> int:

@@ -77,7 +77,8 @@ class Verdict:
 # sampled request is the target's whatever the drafts are; good drafts only make it faster.
 # Greedy requests (temperature 0) have p_j = one-hot(argmax_j), so the rule becomes: accept the
 # longest prefix of drafts equal to the target's argmax, then emit the argmax at the first
-# mismatch (or after all k) -- token for token what plain greedy decoding produces.
+# mismatch (or after all k) -- token for token what plain greedy decoding produces (up to the
+# float rounding any change of batch shape brings: see the runner's NOTE).
 #
 # A sampled request's random stream is consumed differently than by plain sampling, so a seed
 # reproduces its output only under the same drafts (which depend on the draft service).
