@@ -53,11 +53,12 @@ QUICK = Plan(prompts=4, max_tokens=64)
 
 def extractive_prompts(n: int) -> list[str]:
     """Code edits of small standard-library functions and quotes of documentation passages."""
+    import shlex
     import textwrap
 
     from kvmesh.model.perplexity import reference_text
 
-    funcs = [textwrap.dedent, textwrap.indent, os.path.commonprefix, os.path.splitext,
+    funcs = [textwrap.dedent, textwrap.indent, shlex.quote, statistics.fmean,
              statistics.median, statistics.mode, inspect.cleandoc, textwrap.shorten]
     out = []
     for i, f in enumerate(funcs):

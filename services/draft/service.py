@@ -14,6 +14,8 @@ nothing.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +92,8 @@ class DraftService:
             kind: (lambda state, budget, kind=kind: _Plan(kind, budget)) for kind in registry.kinds}
         self._planners[DrafterKind.ADAPTIVE] = self._plan_adaptive
         self._lock = threading.Lock()
+        self._model_position_s: float | None = None  # measured, see _run
+        self._call_params = adaptive                 # this call's prices, see propose
 
     def info(self) -> DraftInfo:
         model = self.registry[DrafterKind.MODEL].describe() if DrafterKind.MODEL in self.registry else ""
@@ -109,11 +113,15 @@ class DraftService:
             metrics.SEQUENCES.set(len(self.store))
             return dropped
 
-    def propose(self, requests: Sequence[SequenceRequest], target_model: str = "") -> list[SequenceDraft]:
-        """Drafts for every sequence of one call, in order (see the module NOTE)."""
+    def propose(self, requests: Sequence[SequenceRequest], target_model: str = "",
+                target_step_s: float | None = None) -> list[SequenceDraft]:
+        """Drafts for every sequence of one call, in order (see the module NOTE). With the
+        engine's `target_step_s`, model drafts are priced at this service's measured seconds per
+        model-draft position over it, rather than the configured `model_cost`."""
         start = time.perf_counter()
         self._validate(requests, target_model)
         with self._lock:
+            self._call_params = self._priced(target_step_s)
             answers: list[SequenceDraft | None] = [None] * len(requests)
             plans: dict[int, tuple[SequenceState, DrafterKind, _Plan]] = {}
             for i, req in enumerate(requests):
@@ -149,9 +157,25 @@ class DraftService:
             batch = [(i, DraftJob(state, plan.tokens)) for i, (state, plan) in plans.items()
                      if plan.drafter is kind and plan.ready is None]
             if batch:
+                started = time.perf_counter()
                 drafted = self.registry[kind].propose([job for _, job in batch])
                 out.update((i, proposal) for (i, _), proposal in zip(batch, drafted))
+                positions = max(len(p.token_ids) for p in drafted)
+                if kind is DrafterKind.MODEL and positions:
+                    # one batched forward per drafted position (plus any catch-up of new tokens)
+                    seconds = (time.perf_counter() - started) / positions
+                    self._model_position_s = (seconds if self._model_position_s is None
+                                              else 0.7 * self._model_position_s + 0.3 * seconds)
         return out
+
+    def _priced(self, target_step_s: float | None) -> AdaptiveParams:
+        """The adaptive parameters with the model drafter priced from measurements when both
+        its time per draft position and the engine's step time are known."""
+        if not target_step_s or self._model_position_s is None or DrafterKind.MODEL not in self.registry:
+            return self.adaptive
+        cost = dict(self.adaptive.draft_cost)
+        cost[DrafterKind.MODEL] = self._model_position_s / target_step_s
+        return dataclasses.replace(self.adaptive, draft_cost=cost)
 
     def _plan_adaptive(self, state: SequenceState, budget: int) -> _Plan:
         estimates = state.slots.get(ADAPTIVE_SLOT)
@@ -162,7 +186,7 @@ class DraftService:
         if DrafterKind.NGRAM in self.registry:
             [ngram] = self.registry[DrafterKind.NGRAM].propose([DraftJob(state, budget)])
             available[DrafterKind.NGRAM] = len(ngram.token_ids)
-        choice = estimates.decide(available, self.adaptive, self.registry.kinds)
+        choice = estimates.decide(available, self._call_params, self.registry.kinds)
         if choice.drafter is DrafterKind.NGRAM and ngram is not None:
             return _Plan(choice.drafter, choice.tokens, ngram.truncated(choice.tokens))
         return _Plan(choice.drafter, choice.tokens)
@@ -176,7 +200,7 @@ class DraftService:
         metrics.ACCEPTED_TOKENS.labels(last.drafter.value).inc(accepted)
         estimates = state.slots.get(ADAPTIVE_SLOT)
         if estimates is not None:
-            estimates.observe(last.drafter, last.tokens, accepted, self.adaptive)
+            estimates.observe(last.drafter, last.tokens, accepted, self._call_params)
 
     def _ingest(self, req: SequenceRequest) -> SequenceState | None:
         """The sequence's state with the new tokens committed, or None when it needs a resync."""

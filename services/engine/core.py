@@ -242,6 +242,7 @@ class EngineCore:
         out = self.scheduler.schedule(drafts)
         if not out.scheduled:
             return []
+        started = time.perf_counter()
         result = self.runner.execute(out)
         self.scheduler.commit(out)
         if self.kv is not None:
@@ -262,6 +263,7 @@ class EngineCore:
                                     [self._states[d.seq.request_id].generator for d in result.drafts])
             outputs += [self._accept(d, v) for d, v in zip(result.drafts, verdicts)]
         if self.drafts is not None:
+            self.drafts.observe_step(time.perf_counter() - started, verified=bool(result.drafts))
             self.drafts.flush()
         return outputs
 

@@ -105,9 +105,9 @@ async def test_a_call_whose_deadline_passed_in_the_queue_does_no_work():
         service, gate = d.servicer.service, threading.Event()
         original = service.propose
 
-        def held(requests, target_model=""):
+        def held(requests, target_model="", target_step_s=None):
             gate.wait(10)  # holds the worker thread, as a long model step would
-            return original(requests, target_model)
+            return original(requests, target_model, target_step_s)
 
         service.propose = held
         first = asyncio.ensure_future(d.stub.Propose(propose([seq("first", [1])]), timeout=20))

@@ -205,3 +205,34 @@ def test_metrics_count_proposals_tokens_and_sequences():
     assert metric("kvmesh_draft_proposed_tokens_total", drafter="ngram") == before[1] + 3
     assert metric("kvmesh_draft_propose_seconds_count") == before[2] + 1
     assert metric("kvmesh_draft_sequences") == 2
+
+
+@pytest.mark.parametrize("target_step_s, uses_model", [(1.0, True), (0.03, False)])
+def test_the_engine_step_time_prices_model_drafts(monkeypatch, target_step_s, uses_model):
+    # The model drafter "takes" 0.1 s per draft position (a fake clock it advances); the engine
+    # reports its step time. Cheap next to a 1 s step: adaptive keeps drafting with the model
+    # that is always right. At 3.3 target steps per draft position it stops after its probe.
+    now = [0.0]
+    monkeypatch.setattr("kvmesh.services.draft.service.time.perf_counter", lambda: now[0])
+    service, _, model = make_service(probe_every=2, probe_tokens=2)
+    scripted = model.propose
+
+    def timed(jobs):
+        now[0] += 0.1 * max(job.max_tokens for job in jobs)
+        return scripted(jobs)
+
+    model.propose = timed
+    tokens = [1, 2, 3, 4]
+    [d] = service.propose([req("s", tokens, drafter=ADAPTIVE, k=6)], target_step_s=target_step_s)
+    used = []
+    for bonus in range(10, 30):  # unique tokens: the n-gram drafter never matches
+        used.append(d.drafter is MODEL and len(d.token_ids) > 0)
+        new = d.token_ids + [bonus]
+        tokens += new
+        [d] = service.propose([req("s", new, committed=len(tokens), drafter=ADAPTIVE, k=6,
+                                   last_accepted=len(d.token_ids))], target_step_s=target_step_s)
+    late = used[len(used) // 2:]
+    if uses_model:
+        assert all(late)
+    else:
+        assert sum(late) <= len(late) // 2 + 1  # only the periodic probes (probe_every=2)

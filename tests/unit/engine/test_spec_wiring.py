@@ -69,3 +69,17 @@ def test_metrics(tiny):
     assert f"kvmesh_engine_spec_accepted_tokens_total {float(totals.accepted_tokens)}" in text
     assert "kvmesh_engine_spec_draft_failures_total 0.0" in text
     assert totals.draft_tokens > 0 and len(seen) == core.drafts.stats.calls and all(s > 0 for s in seen)
+
+
+def test_propose_reports_the_engines_plain_step_time(tiny):
+    # The draft service prices model drafts against the engine's step time: every call (the
+    # first comes after the prefill step) carries an average of the measured steps.
+    fake = FakeDraftService(propose=lambda rid, history, k: [])  # never drafts: plain steps only
+    try:
+        core = make_core(tiny, draft_address=fake.address, speculation="ngram")
+        run_all(core, {"a": [5, 6, 7, 8]}, greedy(max_tokens=6))
+        core.drafts.close()
+    finally:
+        fake.stop()
+    carried = [c.target_step_s for c in fake.calls if c.HasField("target_step_s")]
+    assert fake.calls and len(carried) == len(fake.calls) and all(0 < s < 5 for s in carried)
