@@ -140,10 +140,12 @@ def run(quick: bool = False) -> list[dict]:
         draft = launcher.start_service("bench-draft", "kvmesh.services.draft", ["--threads", threads],
                                        launcher.free_port())
         procs.append(draft)
-        # The model drafter needs ~30 ms per draft token here: a deadline that lets k=4 through.
+        # k = 2: on this CPU a step's matmuls are compute-bound from 4 rows on (a plain step
+        # 33 ms; verifying 2 drafts 42 ms, 3 drafts 57 ms, 4 drafts 63 ms at a 600-token context).
+        # The model drafter needs ~30 ms per draft position here: a deadline that lets it through.
         engine = launcher.start_service("bench-engine", "kvmesh.services.engine",
                                         ["--threads", threads, "--draft-address", draft.address,
-                                         "--draft-timeout-s", "1.0"],
+                                         "--spec-max-draft-tokens", "2", "--draft-timeout-s", "1.0"],
                                         launcher.free_port())
         procs.append(engine)
         for workload, texts in workloads.items():

@@ -103,6 +103,17 @@ def best_length(alpha: float, available: int, cost_per_draft: float) -> tuple[in
     return best
 
 
+HOPELESS_PROBE_FACTOR = 16
+"""A drafter that could not pay even if every draft were accepted (its measured price is too
+high) is probed this many times less often: a probe costs a model forward (and the catch-up of
+the sequence's context), and is only worth it to notice that the price has changed."""
+
+
+def _probe_factor(kind: DrafterKind, available: int, params: AdaptiveParams) -> int:
+    cost = params.verify_cost + params.draft_cost[kind]
+    return HOPELESS_PROBE_FACTOR if rate(1.0, available, cost) < 1 + params.min_gain else 1
+
+
 def choose(estimates: Mapping[DrafterKind, Acceptance], available: Mapping[DrafterKind, int],
            params: AdaptiveParams, order: Sequence[DrafterKind]) -> Choice:
     """The rule of the module NOTE (no side effects). `available[d]` is the most tokens drafter d
@@ -118,7 +129,7 @@ def choose(estimates: Mapping[DrafterKind, Acceptance], available: Mapping[Draft
     if best.rate < 1 + params.min_gain:
         best = Choice(None, 0, 1.0)
     due = [kind for kind in order if available.get(kind, 0) > 0 and kind != best.drafter
-           and estimates[kind].idle >= params.probe_every]
+           and estimates[kind].idle >= params.probe_every * _probe_factor(kind, available[kind], params)]
     if due:
         kind = max(due, key=lambda d: estimates[d].idle)  # first of the longest idle
         k = min(params.probe_tokens, available[kind])

@@ -117,3 +117,18 @@ def test_bad_params_are_refused():
         AdaptiveParams(draft_cost={}, decay=0.0)
     with pytest.raises(ValueError):
         AdaptiveParams(draft_cost={}, probe_every=0)
+
+
+def test_a_drafter_too_expensive_even_when_always_right_is_probed_rarely():
+    from kvmesh.services.draft.adaptive import HOPELESS_PROBE_FACTOR, AdaptiveParams, AdaptiveState
+    from kvmesh.services.draft.drafters import DrafterKind
+
+    kinds = [DrafterKind.NGRAM, DrafterKind.MODEL]
+    for model_cost, interval in ((0.6, 4), (5.0, 4 * HOPELESS_PROBE_FACTOR)):
+        params = AdaptiveParams(draft_cost={DrafterKind.NGRAM: 0.0, DrafterKind.MODEL: model_cost},
+                                probe_every=4, probe_tokens=2)
+        state = AdaptiveState.fresh(params, kinds)
+        probes = [i for i in range(200)
+                  if state.decide({DrafterKind.NGRAM: 0, DrafterKind.MODEL: 4}, params, kinds).probe]
+        gaps = {b - a for a, b in zip(probes, probes[1:])}
+        assert probes and gaps == {interval + 1}, (model_cost, probes[:5])
