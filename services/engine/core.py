@@ -22,6 +22,7 @@ from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generato
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.services.engine.sequence import Sequence
+from kvmesh.services.engine.spec_gate import SpecGate
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage, Verdict, verify_batch
 from kvmesh.services.engine.stop import StopStringMatcher, check_stop
 
@@ -142,6 +143,8 @@ class EngineCore:
         self.kv = kv
         """The KV-cache service link, or None (in-engine prefix cache only)."""
         self.drafts = drafts
+        self.gate = SpecGate()
+        """Whether drafting pays at the current batch size, measured (ADAPTIVE requests)."""
         """The draft service link, or None (no speculative decoding)."""
         self.spec_config = spec
         self.spec_totals = SpecUsage()
@@ -238,7 +241,9 @@ class EngineCore:
         With a draft service: first one Propose for every speculating decode (see
         `_propose`), whose drafts the scheduler fits into the step and the runner computes with
         everything else; then plain sampling for the other sequences and verification for those."""
-        drafts = self._propose() if self.drafts is not None else {}
+        step_start = time.perf_counter()
+        gated = self._gate_step()
+        drafts = self._propose(gated) if self.drafts is not None else {}
         out = self.scheduler.schedule(drafts)
         if not out.scheduled:
             return []
@@ -265,19 +270,37 @@ class EngineCore:
         if self.drafts is not None:
             self.drafts.observe_step(time.perf_counter() - started, verified=bool(result.drafts))
             self.drafts.flush()
+        if gated is not None:
+            self.gate.record(gated[0], gated[1], sum(len(o.token_ids) for o in outputs),
+                             time.perf_counter() - step_start)
         return outputs
 
-    def _propose(self) -> dict[Sequence, list[int]]:
+    def _gate_step(self) -> tuple[int, bool] | None:
+        """(batch, whether ADAPTIVE requests may draft) for a pure decode step that has ADAPTIVE
+        requests in it, from the SpecGate; None for any other step (it is not measured)."""
+        if self.drafts is None or self.scheduler.waiting:
+            return None
+        running = self.scheduler.running
+        if not running or any(s.num_tokens - s.num_computed_tokens != 1 for s in running):
+            return None
+        if not any(self._states[s.request_id].spec_mode is SpecMode.ADAPTIVE for s in running):
+            return None
+        return len(running), self.gate.allow(len(running))
+
+    def _propose(self, gated: tuple[int, bool] | None) -> dict[Sequence, list[int]]:
         """Drafts for every running decode that speculates and may still emit 2+ tokens (at
         most that many less one, so an accepted run never passes max_tokens): one Propose
-        call, answered within the client's deadline or not at all."""
+        call, answered within the client's deadline or not at all. ADAPTIVE requests draft
+        only when the SpecGate allows this step."""
         if not self.drafts.available:
             return {}
+        adaptive_off = gated is not None and not gated[1]
         queries = []
         for seq in self.scheduler.running:
             state = self._states[seq.request_id]
             if (state.spec_mode is SpecMode.OFF or not seq.output_token_ids
-                    or seq.num_tokens - seq.num_computed_tokens != 1):
+                    or seq.num_tokens - seq.num_computed_tokens != 1
+                    or (adaptive_off and state.spec_mode is SpecMode.ADAPTIVE)):
                 continue
             k = min(self.spec_config.max_draft_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
             if k > 0:

@@ -102,15 +102,17 @@ async def test_bad_input_is_invalid_argument(served, bad, message):
 
 async def test_a_call_whose_deadline_passed_in_the_queue_does_no_work():
     async with serving_draft(draft_config()) as d:
-        service, gate = d.servicer.service, threading.Event()
+        service, gate, entered = d.servicer.service, threading.Event(), threading.Event()
         original = service.propose
 
         def held(requests, target_model="", target_step_s=None):
+            entered.set()
             gate.wait(10)  # holds the worker thread, as a long model step would
             return original(requests, target_model, target_step_s)
 
         service.propose = held
         first = asyncio.ensure_future(d.stub.Propose(propose([seq("first", [1])]), timeout=20))
+        assert await asyncio.to_thread(entered.wait, 10)   # "first" holds the worker now
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await d.stub.Propose(propose([seq("late", [1])]), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
