@@ -1,0 +1,221 @@
+"""Blended prefill (the CacheBlend idea, Yao et al. 2024): a prompt assembled from pieces whose
+KV was computed elsewhere -- alone, or at another position -- plus new text, prefilled by
+reusing that KV and recomputing only the few tokens whose KV it changes most.
+
+NOTE (the algorithm, as built here).
+  Input: segments in prompt order; a cached one brings token ids and its KV for every layer
+  (keys position-free, as the KV service stores them, see kvmesh.kv.rope), a new one only ids.
+  Prompt positions are 0..T-1 in that order.
+  1. Reuse. Each cached segment's keys are rotated to the positions where it now lands and its
+     values taken as they are: that is the "reused" KV, exactly what pure reuse would import.
+     What it lacks is attention across segments: a cached token never saw the text before it.
+  2. Probe (selection, costs `select_layers` = s layers over all T tokens). Layers 0..s-1 run
+     over every token exactly as a full prefill does (fresh KV, causal). At layer s the q/k/v
+     projections are still computed for every token. Each cached token's deviation is
+     sum over layers l = 0..s of |K_fresh - K_reused|^2 / mean|K_fresh|^2 + (same for V),
+     each term normalized by its layer's mean over cached tokens so no layer dominates by scale.
+     Layer 0's K/V depends on the token alone, so its term is only codec/rounding error; the
+     cross-segment signal starts at layer 1, which is why s >= 1.
+  3. Select R = all new-text tokens + the round(recompute_ratio * cached) cached tokens of
+     largest deviation + the last prompt token (its logits are the output).
+  4. Blend (layers s..L-1, R only). Only R's hidden states go on; at layer l every token of R
+     computes fresh q/k/v, and its query attends, causally by prompt position, to the mixture:
+     fresh K/V for tokens in R, reused K/V for all others.
+  Output KV: fresh for tokens in R in every layer (layers < s from the probe), reused for every
+  other cached token in every layer -- a token's KV is never half reused, half fresh, and
+  ratio 0 is exactly pure reuse (re-rotated). Ratio 1 makes R every token: a full prefill.
+  Cost: s/L of a full prefill for the probe, plus |R|/T of the rest (attention of R over T keys).
+
+Model access (all in `_qkv`, `_finish`, `_attend` and the top of `blend_prefill`): for a
+LlamaForCausalLM, ``model.model.embed_tokens``, ``model.rotary``, per decoder layer
+``input_layernorm``, ``self_attn._qkv`` (its fused, RoPE-applied projection), ``self_attn.o_proj``,
+``self_attn.scale``, ``post_attention_layernorm``, ``mlp``, then ``model.model.norm`` and
+``model.compute_logits`` -- the same ops in the same order as ``LlamaDecoderLayer.forward_dense``.
+Dense tensors only: no paged cache, any device, any model dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.kv.rope import rotate_keys, unrotate_keys
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One piece of a prompt: new text (k, v None) or text whose KV is cached.
+
+    k, v: ``[layers, len(token_ids), kv_heads, head_dim]``, keys position-free (un-rotated to
+    position 0, kvmesh.kv.rope.STORED_KEYS), any float dtype (cast to the model's).
+    """
+
+    token_ids: tuple[int, ...]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @classmethod
+    def new(cls, token_ids: Sequence[int]) -> Segment:
+        return cls(tuple(int(t) for t in token_ids))
+
+    @classmethod
+    def cached(cls, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> Segment:
+        return cls(tuple(int(t) for t in token_ids), k, v)
+
+    @property
+    def is_cached(self) -> bool:
+        return self.k is not None
+
+
+@dataclass(frozen=True, eq=False)
+class BlendResult:
+    """The prompt's KV and last logits after a blended prefill."""
+
+    k: torch.Tensor  # [layers, T, kv_heads, head_dim] model dtype, rotated to positions 0..T-1 (as the paged cache holds keys)
+    v: torch.Tensor  # [layers, T, kv_heads, head_dim]
+    logits: torch.Tensor  # [vocab] float32: the last prompt position's
+    recomputed: torch.Tensor  # [R] long, ascending: positions computed in every layer (new text, selected, last)
+    deviation: torch.Tensor  # [T] float32: the selection score of cached tokens; NaN for new-text tokens
+
+
+def _validate(model, segments: Sequence[Segment], recompute_ratio: float, select_layers: int) -> None:
+    cfg = model.config
+    if not segments:
+        raise ValueError("blend_prefill needs at least one segment")
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise ValueError(f"recompute_ratio must be in [0, 1] (0 = pure reuse, 1 = full prefill), got {recompute_ratio}")
+    if not 1 <= select_layers < cfg.num_layers:
+        raise ValueError(f"select_layers must be in 1..{cfg.num_layers - 1} for this {cfg.num_layers}-layer model, "
+                         f"got {select_layers} (layer 0's KV cannot show cross-segment deviation; all layers is "
+                         "recompute_ratio=1)")
+    expect = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    for i, seg in enumerate(segments):
+        if not seg.token_ids:
+            raise ValueError(f"segment {i} has no tokens; drop empty segments")
+        if (seg.k is None) != (seg.v is None):
+            raise ValueError(f"segment {i} has only one of k and v; a cached segment needs both")
+        if seg.k is not None:
+            shape = (cfg.num_layers, len(seg.token_ids), cfg.num_kv_heads, cfg.head_dim)
+            if tuple(seg.k.shape) != shape or tuple(seg.v.shape) != shape:
+                raise ValueError(f"segment {i}: KV shapes {tuple(seg.k.shape)}/{tuple(seg.v.shape)}, this model "
+                                 f"needs {shape} = [layers, tokens, kv_heads, head_dim] with {expect} from its config")
+
+
+def _qkv(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # h: [A, hidden] -> q [A, heads, hd], k/v [A, kv_heads, hd] (q, k rotated to their positions)
+    return layer.self_attn._qkv(layer.input_layernorm(h), cos, sin)
+
+
+def _finish(layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    # h: [A, hidden], o: attention output [A, heads, hd] -> the layer's output [A, hidden]
+    h = h + layer.self_attn.o_proj(o.reshape(h.shape[0], -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q: [A, heads, hd] over k, v: [T, kv_heads, hd] -> [A, heads, hd]. mask: [A, T] bool (True =
+    attend), or None when the queries are all T tokens (plain causal, as forward_dense)."""
+    g = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1)[None]  # [1, heads, A, hd]
+    kt = k.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, T, hd], HF repeat_kv order
+    vt = v.transpose(0, 1).repeat_interleave(g, dim=0)[None]
+    scale = layer.self_attn.scale
+    if mask is None:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
+
+
+def _deviation(k: torch.Tensor, v: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor,
+               cached: torch.Tensor) -> torch.Tensor:
+    """Per token [T] float32: |dK|^2 / mean|K|^2 + |dV|^2 / mean|V|^2 (means over cached tokens);
+    k, v fresh [T, kvh, hd], k_old, v_old reused. Zero for new-text tokens."""
+    total = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
+    for fresh, old in ((k, k_old), (v, v_old)):
+        fresh = fresh.float()
+        d = (fresh - old.float()).pow(2).sum(dim=(1, 2))  # [T]
+        scale = fresh[cached].pow(2).sum(dim=(1, 2)).mean().clamp_min(1e-12)
+        total += torch.where(cached, d / scale, torch.zeros_like(d))
+    return total
+
+
+def _select(deviation: torch.Tensor, cached: torch.Tensor, recompute_ratio: float) -> torch.Tensor:
+    """[R] long ascending: new-text tokens, the top round(ratio * cached) cached ones, the last."""
+    n_pick = int(round(recompute_ratio * int(cached.sum())))
+    keep = ~cached
+    if n_pick:
+        score = deviation.masked_fill(~cached, float("-inf"))
+        keep[score.topk(n_pick).indices] = True
+    keep[-1] = True
+    return keep.nonzero().squeeze(1)
+
+
+@torch.inference_mode()
+def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0.15,
+                  select_layers: int = 1) -> BlendResult:
+    """Prefill the prompt made of `segments`, reusing cached segments' KV (see the NOTE).
+
+    model: a LlamaForCausalLM (uses its dtype and device). recompute_ratio: share of cached
+    tokens recomputed, chosen by KV deviation (0 = pure reuse, 1 = full prefill). select_layers:
+    leading layers run over every token to measure that deviation. Raises ValueError on
+    inconsistent input. Without cached segments this is a plain full prefill.
+    """
+    _validate(model, segments, recompute_ratio, select_layers)
+    layers = list(model.model.layers)
+    dtype, device = model.dtype, model.device
+    ids = torch.tensor([t for seg in segments for t in seg.token_ids], dtype=torch.long, device=device)
+    T = ids.numel()
+    cfg = model.config
+    shape = (cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim)
+    out_k = torch.zeros(shape, dtype=dtype, device=device)  # reused KV now; fresh rows land in it
+    out_v = torch.zeros(shape, dtype=dtype, device=device)
+    cached = torch.zeros(T, dtype=torch.bool, device=device)  # [T]
+    start = 0
+    for seg in segments:
+        n = len(seg.token_ids)
+        if seg.is_cached:
+            out_k[:, start:start + n] = rotate_keys(seg.k.to(device), start, model.rotary).to(dtype)
+            out_v[:, start:start + n] = seg.v.to(device, dtype)
+            cached[start:start + n] = True
+        start += n
+
+    positions = torch.arange(T, device=device)
+    h = model.model.embed_tokens(ids)  # [T, hidden]
+    cos, sin = model.rotary(positions, dtype)  # [T, hd]
+    deviation = torch.zeros(T, dtype=torch.float32, device=device)
+    probe: list[tuple[torch.Tensor, torch.Tensor]] = []  # layers < s: fresh (k, v) of every token
+    active: torch.Tensor | None = None  # [R] after selection; None while every token runs
+    mask: torch.Tensor | None = None  # [R, T] causal by position, None when R is every token
+    for l, layer in enumerate(layers):
+        q, k, v = _qkv(layer, h, cos, sin)  # [A, heads|kvh, hd]
+        if active is None:
+            deviation += _deviation(k, v, out_k[l], out_v[l], cached)
+            if l < select_layers:
+                probe.append((k, v))
+                h = _finish(layer, h, _attend(layer, q, k, v, None))
+                continue
+            active = _select(deviation, cached, recompute_ratio)
+            for j, (pk, pv) in enumerate(probe):
+                out_k[j, active] = pk[active]
+                out_v[j, active] = pv[active]
+            probe.clear()
+            if active.numel() < T:
+                h, q, k, v = h[active], q[active], k[active], v[active]
+                cos, sin = cos[active], sin[active]
+                mask = positions[None, :] <= active[:, None]
+        out_k[l].index_copy_(0, active, k)
+        out_v[l].index_copy_(0, active, v)
+        h = _finish(layer, h, _attend(layer, q, out_k[l], out_v[l], mask))
+    logits = model.compute_logits(model.model.norm(h[-1:]))[0]  # the last prompt token is always in R
+    return BlendResult(out_k, out_v, logits, active, deviation.masked_fill(~cached, float("nan")))
+
+
+@torch.inference_mode()
+def segment_kv(model, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV of `token_ids` prefilled alone, as the KV service would hold it: k position-free
+    (float32, un-rotated), v in the model dtype, both [layers, n, kv_heads, head_dim]."""
+    res = blend_prefill(model, [Segment.new(token_ids)], recompute_ratio=1.0)
+    return unrotate_keys(res.k, 0, model.rotary), res.v

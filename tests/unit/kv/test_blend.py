@@ -1,0 +1,148 @@
+"""Blended prefill on a tiny random model: exact at the ends (ratio 1 = full prefill, ratio 0 =
+pure reuse), selection by deviation, and quality that improves with the ratio."""
+import pytest
+import torch
+
+from engine_utils import load_tiny, make_tiny_checkpoint
+from kvmesh.kv.blend import Segment, blend_prefill, segment_kv
+from kvmesh.kv.rope import rotate_keys
+from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, read_kv, write_kv_range
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_layers=3)).model
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def paged_prefill(model, segments: list[Segment]):
+    """Reference through the model's own paged path: cached segments imported as they are (keys
+    rotated to their positions), new ones computed over everything before them -- the engine's
+    pure-reuse semantics; with only new segments, a full prefill. -> k, v [L, T, kvh, hd], logits [vocab]."""
+    total = sum(len(s.token_ids) for s in segments)
+    nb = -(-total // BLOCK)
+    caches = allocate_kv_cache(model.config, nb, BLOCK, model.dtype, "cpu")
+    table = list(range(nb))
+    start, logits = 0, None
+    for seg in segments:
+        n = len(seg.token_ids)
+        if seg.is_cached:
+            write_kv_range(caches, table, start, rotate_keys(seg.k, start, model.rotary).to(model.dtype), seg.v)
+        else:
+            pos = torch.arange(start, start + n)
+            meta = AttentionMetadata.build((pos // BLOCK) * BLOCK + pos % BLOCK, [n], [start + n],
+                                           torch.tensor([table]), BLOCK)
+            with torch.inference_mode():
+                hidden = model(torch.tensor(seg.token_ids), pos, caches, meta)
+                logits = model.compute_logits(hidden[-1:])[0]
+        start += n
+    k, v = read_kv(caches, table, 0, total)
+    return k, v, logits
+
+
+def _prompt(model, seed: int = 0, sizes=(24, 31, 17)):
+    """Three passages with KV computed alone, in shuffled order, new text between and after them."""
+    passages = [_ids(seed * 10 + i, n) for i, n in enumerate(sizes)]
+    cached = [Segment.cached(p, *segment_kv(model, p)) for p in passages]
+    return [cached[2], Segment.new(_ids(seed * 10 + 7, 5)), cached[0], cached[1], Segment.new(_ids(seed * 10 + 8, 9))]
+
+
+def _full(model, segments):
+    return paged_prefill(model, [Segment.new(s.token_ids) for s in segments])
+
+
+@pytest.mark.parametrize("select_layers", [1, 2])
+def test_ratio_one_is_full_prefill(model, select_layers):
+    segments = _prompt(model)
+    k, v, logits = _full(model, segments)
+    res = blend_prefill(model, segments, recompute_ratio=1.0, select_layers=select_layers)
+    assert res.recomputed.tolist() == list(range(k.shape[1]))
+    torch.testing.assert_close(res.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.v, v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.logits, logits, atol=1e-5, rtol=0)
+
+
+def test_ratio_zero_is_pure_reuse(model):
+    segments = _prompt(model)
+    res = blend_prefill(model, segments, recompute_ratio=0.0)
+    start = 0
+    for seg in segments:  # cached tokens: exactly their reused KV, re-rotated
+        n = len(seg.token_ids)
+        if seg.is_cached:
+            assert torch.equal(res.k[:, start:start + n], rotate_keys(seg.k, start, model.rotary).to(model.dtype))
+            assert torch.equal(res.v[:, start:start + n], seg.v)
+        start += n
+    is_new = [not s.is_cached for s in segments for _ in s.token_ids]
+    assert res.recomputed.tolist() == [p for p, fresh in enumerate(is_new) if fresh]
+    # new text: computed over the reused KV, as the engine's paged path does
+    k, v, logits = paged_prefill(model, segments)
+    torch.testing.assert_close(res.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.v, v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.logits, logits, atol=1e-5, rtol=0)
+
+
+def test_single_segment(model):
+    ids = _ids(42, 40)
+    k, v, logits = _full(model, [Segment.new(ids)])
+    alone = blend_prefill(model, [Segment.new(ids)], recompute_ratio=0.0)
+    torch.testing.assert_close(alone.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(alone.logits, logits, atol=1e-5, rtol=0)
+    # cached at the position it was computed at: nothing to restore, reuse is already exact
+    reused = blend_prefill(model, [Segment.cached(ids, *segment_kv(model, ids))], recompute_ratio=0.0)
+    assert reused.recomputed.tolist() == [39]  # only the last token, for its logits
+    assert torch.nanquantile(reused.deviation, 1.0) < 1e-8
+    torch.testing.assert_close(reused.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reused.v, v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reused.logits, logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("select_layers", [1, 2])
+def test_selection_picks_the_largest_deviation(model, select_layers):
+    segments = _prompt(model, seed=3)
+    seg = segments[2]
+    target = len(segments[0].token_ids) + len(segments[1].token_ids) + 11
+    k, v = seg.k.clone(), seg.v.clone()
+    v[1, 11] += 5.0 * v[1].std()  # a damaged reused value on layer 1 (one the probe compares)
+    segments[2] = Segment.cached(seg.token_ids, k, v)
+    res = blend_prefill(model, segments, recompute_ratio=0.03, select_layers=select_layers)  # 2 of 72
+    cached = ~torch.isnan(res.deviation)
+    assert int(cached.sum()) == 72
+    assert res.deviation.nan_to_num(-1).argmax().item() == target
+    top2 = res.deviation.nan_to_num(-1).topk(2).indices.tolist()
+    picked = [p for p in res.recomputed.tolist() if cached[p]]
+    assert sorted(picked) == sorted(top2)
+    assert target in picked
+
+
+def test_error_shrinks_as_the_ratio_grows(model):
+    errors = {0.0: 0.0, 0.5: 0.0, 1.0: 0.0}
+    for seed in range(3):
+        segments = _prompt(model, seed=seed)
+        _, _, full = _full(model, segments)
+        ref = torch.log_softmax(full, -1)
+        for ratio in errors:
+            got = torch.log_softmax(blend_prefill(model, segments, recompute_ratio=ratio).logits, -1)
+            errors[ratio] += float((ref.exp() * (ref - got)).sum())  # KL(full || blended)
+    assert errors[0.0] > errors[0.5] > errors[1.0]
+    assert errors[0.0] > 1e-3  # the case does have cross-segment attention to restore
+    assert errors[1.0] < 1e-8
+
+
+def test_bad_input_says_how_to_fix(model):
+    ids = _ids(1, 8)
+    k, v = segment_kv(model, ids)
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        blend_prefill(model, [Segment.new(ids)], recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="select_layers must be in 1..2"):
+        blend_prefill(model, [Segment.new(ids)], select_layers=3)
+    with pytest.raises(ValueError, match=r"\[layers, tokens, kv_heads, head_dim\]"):
+        blend_prefill(model, [Segment.cached(ids, k[:, :4], v[:, :4])])
+    with pytest.raises(ValueError, match="no tokens"):
+        blend_prefill(model, [Segment.new([]), Segment.new(ids)])
+    with pytest.raises(ValueError, match="at least one segment"):
+        blend_prefill(model, [])
