@@ -17,6 +17,7 @@ import lmdb
 
 from kvmesh.services.kvcache.store.base import (
     KEY_BYTES, StoreFull, Tier, TierStats, check_put, check_ttl)
+from kvmesh.services.kvcache.store.records import RecordTable
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class LmdbTier(Tier):
         self.path.mkdir(parents=True, exist_ok=True)
         self._owner_fd = _lock_owner(self.path)
         try:
-            self._env = lmdb.open(str(self.path), map_size=map_size_bytes, subdir=True, max_dbs=2,
+            self._env = lmdb.open(str(self.path), map_size=map_size_bytes, subdir=True, max_dbs=4,
                                   sync=True, metasync=True, readahead=False)
         except BaseException:
             os.close(self._owner_fd)
@@ -240,6 +241,13 @@ class LmdbTier(Tier):
             return TierStats(self.name, len(self._index), self._bytes, self._hits, self._misses,
                              self._evictions, self._budget)
 
+    def table(self, name: str) -> RecordTable:
+        """A RecordTable in the named sub-database ``name`` of this environment (not the blobs'
+        DBs, not counted in the entry/byte stats; shares the map, so keep records small)."""
+        if name in ("blobs", "meta"):
+            raise ValueError(f"{name!r} is the tier's own sub-database; pick another table name")
+        return _LmdbTable(self, self._env.open_db(name.encode()))
+
     def close(self) -> None:
         """Flush buffered access times, close the environment and release the path. Idempotent."""
         with self._lock:
@@ -357,6 +365,42 @@ class LmdbTier(Tier):
                 txn.put(_SETTLE_KEY, struct.pack("<Q", self._evictions))
         except lmdb.MapFullError:
             log.warning("%s: map full while settling an eviction", self.name)
+
+
+class _LmdbTable(RecordTable):
+    """A named sub-database of an LmdbTier's environment, under the tier's lock."""
+
+    durable = True
+
+    def __init__(self, tier: LmdbTier, db) -> None:
+        self._tier, self._db = tier, db
+
+    def items(self, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
+        with self._tier._lock, self._tier._env.begin(db=self._db) as txn:
+            cur = txn.cursor()
+            if not cur.set_range(prefix):
+                return []
+            out = []
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                out.append((bytes(k), bytes(v)))
+            return out
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._tier._lock, self._tier._env.begin(db=self._db) as txn:
+            return txn.get(key)
+
+    def write(self, puts: dict[bytes, bytes] | None = None, deletes: list[bytes] | None = None) -> None:
+        with self._tier._lock:
+            try:
+                with self._tier._env.begin(write=True, db=self._db) as txn:
+                    for key in deletes or ():
+                        txn.delete(key)
+                    for key, value in (puts or {}).items():
+                        txn.put(key, value)
+            except lmdb.MapFullError:
+                raise StoreFull(f"{self._tier.name}: LMDB map too full to write catalog records") from None
 
 
 def _lock_owner(path: Path) -> int:
