@@ -151,8 +151,9 @@ class Catalog:
 
     # -- documents ---------------------------------------------------------------------------
 
-    def put_document(self, doc: Document) -> None:
-        """Catalogue ``doc`` (replacing one with the same id); all its chunks must be stored."""
+    def put_document(self, doc: Document, *, ttl_s: float | None = None) -> None:
+        """Catalogue ``doc`` (replacing one with the same id), expiring ``ttl_s`` seconds from now
+        (None: per ``doc.expires_at``); all its chunks must be stored."""
         check_namespace(doc.namespace, "PutDocument")
         if not doc.id or len(doc.id.encode()) > MAX_DOCUMENT_ID:
             raise InvalidArgument(f"PutDocument: document_id must be 1..{MAX_DOCUMENT_ID} bytes of UTF-8, "
@@ -168,7 +169,8 @@ class Catalog:
                     f"PutDocument: {len(missing)} of {len(doc.chunk_keys)} chunks are not stored (first: "
                     f"{missing[0].hex()[:16]}...); Put every chunk first, the document appears only when all are")
             old = self._docs.get((doc.namespace, doc.id))
-            doc = replace(doc, created_at=self._clock())
+            now = self._clock()
+            doc = replace(doc, created_at=now, expires_at=doc.expires_at if ttl_s is None else now + ttl_s)
             self.table.write({doc.record_key: _doc_value(doc)})
             if old is not None:
                 self._forget(old)

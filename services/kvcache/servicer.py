@@ -7,22 +7,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
+import numpy as np
+
+from kvmesh.embed import DIM, Embedder, check_unit_vector
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.kv import codec, transfer
 from kvmesh.kv.keys import KEY_BYTES
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 from kvmesh.services.kvcache import metrics
-from kvmesh.services.kvcache.store import EntryTooLarge, StoreFull, TieredStore
+from kvmesh.services.kvcache.catalog import Catalog, Document
+from kvmesh.services.kvcache.index import Kind
+from kvmesh.services.kvcache.store import EntryTooLarge, LmdbTier, MemoryTable, RecordTable, StoreFull, TieredStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 _TIERS = {"memory": pb.TIER_MEMORY, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
+_KINDS = {pb.INDEX_KIND_UNSPECIFIED: (Kind.CHUNK, Kind.DOCUMENT), pb.INDEX_KIND_ANY: (Kind.CHUNK, Kind.DOCUMENT),
+          pb.INDEX_KIND_CHUNK: (Kind.CHUNK,), pb.INDEX_KIND_DOCUMENT: (Kind.DOCUMENT,)}
+_KIND_PB = {Kind.CHUNK: pb.INDEX_KIND_CHUNK, Kind.DOCUMENT: pb.INDEX_KIND_DOCUMENT}
+
+
+def catalog_table(store: TieredStore) -> RecordTable:
+    """Where the catalog persists: a sub-database of the first disk tier, else memory."""
+    disk = next((t for t in store.tiers if isinstance(t, LmdbTier)), None)
+    return disk.table("catalog") if disk is not None else MemoryTable()
 
 
 def _check_keys(keys, what: str) -> list[bytes]:
@@ -37,16 +53,42 @@ def _check_keys(keys, what: str) -> list[bytes]:
 class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
     """Thin adapter from kvmesh.kvcache.v1 to a TieredStore."""
 
-    def __init__(self, store: TieredStore, *, max_entry_bytes: int) -> None:
+    def __init__(self, store: TieredStore, *, max_entry_bytes: int, embedder=None,
+                 records: RecordTable | None = None) -> None:
         self.store = store
         self.max_entry_bytes = max_entry_bytes
         self.corrupt_entries = 0
+        self.embedder = embedder if embedder is not None else Embedder()  # loads on first text
+        self.catalog = Catalog(store, records if records is not None else catalog_table(store), DIM)
+        self.catalog.load()
+        self._gauges()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-io")
+        self._embed_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-embed")
 
     def close(self) -> None:
         """Waits for queued store work, then closes the store."""
+        self._embed_pool.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self.store.close()
+
+    def _gauges(self) -> None:
+        metrics.INDEX_ENTRIES.labels(kind="chunk").set(self.catalog.index.count(Kind.CHUNK))
+        metrics.INDEX_ENTRIES.labels(kind="document").set(self.catalog.index.count(Kind.DOCUMENT))
+
+    async def _vector(self, text: str | None, values, what: str) -> np.ndarray | None:
+        """The embedding of ``text`` (computed on the embedder thread), else the client's
+        ``values`` checked to be a unit vector, else None."""
+        if text is not None:
+            if not text.strip():
+                raise InvalidArgument(f"{what}: text is empty; send the text to embed or leave it unset")
+            vecs = await asyncio.get_running_loop().run_in_executor(self._embed_pool, self.embedder.embed, [text])
+            return vecs[0]
+        if len(values):
+            try:
+                return check_unit_vector(list(values), DIM)
+            except ValueError as err:
+                raise InvalidArgument(f"{what}: {err}") from None
+        return None
 
     async def sweep_forever(self, interval_s: float) -> None:
         """Removes expired entries every `interval_s` seconds (reads already treat them as misses;
@@ -56,6 +98,8 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
             removed = await self._run(self.store.sweep_expired)
             if removed:
                 log.info("removed %d expired entries", removed)
+            if await self._run(self.catalog.prune):
+                self._gauges()
 
     async def _run(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -103,12 +147,17 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
         if transfer.checksum(blob) != header.checksum:
             raise InvalidArgument("Put: checksum mismatch (blake2b-128 of the blob); the transfer was damaged, retry")
         try:
-            codec.verify(blob)
+            blob_header = codec.verify(blob)
         except codec.CorruptBlob as err:
             raise InvalidArgument(f"Put: not a valid KV chunk blob ({err}); encode with kvmesh.kv.codec") from err
+        vector = await self._vector(header.text if header.HasField("text") else None, header.embedding, "Put")
         ttl = header.ttl_s if header.HasField("ttl_s") else None
         try:
             await self._run(lambda: self.store.put(header.key, blob, ttl_s=ttl, pinned=header.pinned))
+            if vector is not None:  # namespace from the blob itself: a client cannot file it elsewhere
+                await self._run(self.catalog.index_chunk, header.key, blob_header.namespace, vector,
+                                dict(header.metadata))
+                self._gauges()
         except (StoreFull, EntryTooLarge) as err:
             raise ResourceExhausted(f"Put: {err}") from err
         metrics.BYTES_WRITTEN.inc(len(blob))
@@ -145,6 +194,8 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         keys = _check_keys(request.keys, "Delete")
         n = await self._run(lambda: sum(self.store.delete(k) for k in keys))
+        await self._run(self.catalog.forget_chunks, keys)
+        self._gauges()
         return pb.DeleteResponse(deleted=n)
 
     async def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
@@ -166,4 +217,75 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
             tiers=[pb.TierStats(tier=_TIERS[s.name], entries=s.entries, bytes=s.bytes,
                                 capacity_bytes=s.capacity_bytes, hits=s.hits, misses=s.misses,
                                 evictions=s.evictions) for s in stats],
-            corrupt_entries=self.corrupt_entries)
+            corrupt_entries=self.corrupt_entries, index_chunks=self.catalog.index.count(Kind.CHUNK),
+            index_documents=self.catalog.document_count(), index_stale_dropped=self.catalog.stale_dropped)
+
+    # -- semantic index and documents ------------------------------------------------------------
+
+    async def Search(self, request: pb.SearchRequest, context) -> pb.SearchResponse:
+        start = time.perf_counter()
+        metrics.SEARCHES.inc()
+        which = request.WhichOneof("query")
+        if which is None:
+            raise InvalidArgument("Search: set text (embedded by the service) or vector (384 floats, norm 1)")
+        if request.k > 1000:
+            raise InvalidArgument(f"Search: k must be 1..1000 (0 = 10), got {request.k}")
+        query = await self._vector(request.text if which == "text" else None,
+                                   request.vector.values if which == "vector" else (), "Search")
+        if query is None:
+            raise InvalidArgument("Search: vector is empty; send 384 floats of L2 norm 1")
+        hits = await self._run(self.catalog.search, request.namespace, query, _KINDS[request.kind], request.k or 10)
+        self._gauges()
+        metrics.SEARCH_SECONDS.observe(time.perf_counter() - start)
+        return pb.SearchResponse(hits=[pb.SearchHit(
+            kind=_KIND_PB[h.entry.kind], score=h.score, metadata=h.entry.metadata,
+            key=h.entry.id if h.entry.kind is Kind.CHUNK else b"",
+            document_id=h.entry.id.decode() if h.entry.kind is Kind.DOCUMENT else "") for h in hits])
+
+    async def PutDocument(self, request: pb.PutDocumentRequest, context) -> pb.PutDocumentResponse:
+        keys = _check_keys(request.chunk_keys, "PutDocument")
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+        if ttl is not None and not ttl > 0:
+            raise InvalidArgument(f"PutDocument: ttl_s must be > 0 seconds, got {ttl}")
+        if not request.text.strip() and not len(request.embedding):
+            raise InvalidArgument("PutDocument: send text (embedded by the service) or embedding (384 floats, "
+                                  "norm 1); a document is found by Search through one of them")
+        vector = await self._vector(None if len(request.embedding) else request.text, request.embedding, "PutDocument")
+        doc = Document(request.namespace, request.document_id, tuple(keys), vector, dict(request.metadata),
+                       request.text, tuple(request.token_ids), request.pinned)
+        await self._run(lambda: self.catalog.put_document(doc, ttl_s=ttl))
+        self._gauges()
+        return pb.PutDocumentResponse(chunks=len(keys))
+
+    async def GetDocument(self, request: pb.GetDocumentRequest, context) -> pb.GetDocumentResponse:
+        doc = await self._run(self.catalog.get_document, request.namespace, request.document_id)
+        return pb.GetDocumentResponse(document=_document_pb(doc, full=True))
+
+    async def ListDocuments(self, request: pb.ListDocumentsRequest, context) -> pb.ListDocumentsResponse:
+        docs, token = await self._run(self.catalog.list_documents, request.namespace, request.page_size,
+                                      request.page_token)
+        return pb.ListDocumentsResponse(documents=[_document_pb(d, full=False) for d in docs], next_page_token=token)
+
+    async def DeleteDocument(self, request: pb.DeleteDocumentRequest, context) -> pb.DeleteDocumentResponse:
+        n = await self._run(self.catalog.delete_document, request.namespace, request.document_id)
+        self._gauges()
+        return pb.DeleteDocumentResponse(deleted_chunks=n)
+
+    async def PinDocument(self, request: pb.PinDocumentRequest, context) -> pb.PinDocumentResponse:
+        await self._run(self.catalog.set_document_pinned, request.namespace, request.document_id, request.pinned)
+        return pb.PinDocumentResponse()
+
+    async def SetDocumentTtl(self, request: pb.SetDocumentTtlRequest, context) -> pb.SetDocumentTtlResponse:
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+        await self._run(self.catalog.set_document_ttl, request.namespace, request.document_id, ttl)
+        return pb.SetDocumentTtlResponse()
+
+
+def _document_pb(doc: Document, *, full: bool) -> pb.Document:
+    out = pb.Document(document_id=doc.id, metadata=doc.metadata, chunk_keys=list(doc.chunk_keys), pinned=doc.pinned)
+    if full:
+        out.text = doc.text
+        out.token_ids.extend(doc.token_ids)
+    if doc.expires_at != math.inf:
+        out.ttl_s = max(doc.expires_at - time.time(), 0.0)
+    return out
