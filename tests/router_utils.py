@@ -153,11 +153,16 @@ async def fake_engines(*scripts: Script) -> AsyncIterator[list[FakeEngine]]:
                 await engine.server.drain(0.2)
 
 
+_RESERVED: list[socket.socket] = []
+
+
 def dead_address() -> str:
-    """A loopback host:port with nothing listening (connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    """A loopback host:port with nothing listening (connections are refused). The port stays
+    bound (never listening) for the rest of the session, so no server started later gets it."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def router_config(**overrides) -> RouterConfig:
