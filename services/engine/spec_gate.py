@@ -46,7 +46,7 @@ class _Bucket:
 class SpecGate:
     """Decides per step whether ADAPTIVE requests may draft (see the module NOTE)."""
 
-    def __init__(self, *, explore_every: int = 16, min_steps: int = 4, decay: float = 0.95) -> None:
+    def __init__(self, *, explore_every: int = 32, min_steps: int = 4, decay: float = 0.8) -> None:
         if explore_every < 2 or min_steps < 1 or not 0 < decay <= 1:
             raise ValueError("need explore_every >= 2, min_steps >= 1 and 0 < decay <= 1")
         self.explore_every, self.min_steps, self.decay = explore_every, min_steps, decay
