@@ -6,26 +6,17 @@ import asyncio
 import grpc
 import pytest
 
-from engine_utils import make_core
+from engine_utils import ServedEngine, make_core, serve_engine
 from kvmesh.common.v1 import common_pb2
-from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from kvmesh.rpc.server import RpcServer, ServerOptions
-from kvmesh.services.engine.async_engine import AsyncEngine
-from kvmesh.services.engine.build import model_info
-from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.servicer import EngineServicer
+from kvmesh.engine.v1 import engine_pb2
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 pytestmark = pytest.mark.slow
 
 
-class Harness:
-    def __init__(self, engine: AsyncEngine, stub, address: str):
-        self.engine, self.stub, self.address = engine, stub, address
-
+class Harness(ServedEngine):
     async def collect(self, req, timeout=120):
-        msgs = [m async for m in self.stub.Generate(req, timeout=timeout)]
-        return msgs
+        return await super().collect(req, timeout=timeout)
 
     async def settle(self) -> None:
         """Runs a tiny request to completion: the engine's inbox is FIFO, so every abort posted
@@ -38,18 +29,8 @@ class Harness:
 async def harness(bundled_model, request):
     overrides = getattr(request, "param", {})
     core = make_core(bundled_model, **overrides)
-    engine = AsyncEngine(lambda: core, max_waiting=overrides.get("max_waiting", 64))
-    servicer = EngineServicer(engine, model_info(core, EngineConfig()))
-    server = RpcServer("engine", ServerOptions(host="127.0.0.1", port=0, grace_s=1.0),
-                       lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s), [SERVICE])
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield Harness(engine, engine_pb2_grpc.EngineServiceStub(channel), f"127.0.0.1:{port}")
-    finally:
-        await channel.close()
-        await server.drain(0.5)
-        engine.shutdown()
+    async with serve_engine(core, max_waiting=overrides.get("max_waiting", 64)) as served:
+        yield Harness(served.engine, served.stub, served.address)
 
 
 def _text_req(text: str, **sampling) -> engine_pb2.GenerateRequest:
