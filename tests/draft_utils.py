@@ -15,7 +15,7 @@ import grpc
 
 from kvmesh.draft.v1 import draft_pb2 as pb
 from kvmesh.draft.v1 import draft_pb2_grpc
-from kvmesh.rpc.server import RpcServer, ServerOptions
+from rpc_utils import served
 from kvmesh.services.draft.build import build_service
 from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.servicer import DraftServicer
@@ -121,15 +121,9 @@ async def serving_draft(cfg: DraftConfig, loaded=None) -> AsyncIterator[ServedDr
     with the shared interceptors; yields it with a client stub, then drains it."""
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-test-worker")
     servicer = DraftServicer(build_service(cfg, loaded), worker)
-    server = RpcServer("draft", ServerOptions(port=0, grace_s=1.0),
-                       lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
-                       [DRAFT_SERVICE])
-    port = await server.start()
-    address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address)
     try:
-        yield ServedDraft(address, draft_pb2_grpc.DraftServiceStub(channel), servicer)
+        async with served("draft", lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+                          DRAFT_SERVICE) as srv:
+            yield ServedDraft(srv.address, draft_pb2_grpc.DraftServiceStub(srv.channel), servicer)
     finally:
-        await channel.close()
-        await server.drain(0.5)
         worker.shutdown(wait=True)

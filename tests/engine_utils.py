@@ -135,10 +135,8 @@ def serve_engine(core, *, max_waiting: int = 64):
     with the shared interceptors; yields a ServedEngine and tears everything down after."""
     import contextlib
 
-    import grpc
-
     from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-    from kvmesh.rpc.server import RpcServer, ServerOptions
+    from rpc_utils import served
     from kvmesh.services.engine.async_engine import AsyncEngine
     from kvmesh.services.engine.build import model_info
     from kvmesh.services.engine.servicer import EngineServicer
@@ -146,21 +144,17 @@ def serve_engine(core, *, max_waiting: int = 64):
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
     @contextlib.asynccontextmanager
-    async def served():
+    async def served_engine():
         engine = AsyncEngine(lambda: core, max_waiting=max_waiting)
         servicer = EngineServicer(engine, model_info(core, EngineConfig()))
-        server = RpcServer("engine", ServerOptions(host="127.0.0.1", port=0, grace_s=1.0),
-                           lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s), [service])
-        port = await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         try:
-            yield ServedEngine(engine, engine_pb2_grpc.EngineServiceStub(channel), f"127.0.0.1:{port}")
+            async with served("engine", lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s),
+                              service) as srv:
+                yield ServedEngine(engine, engine_pb2_grpc.EngineServiceStub(srv.channel), srv.address)
         finally:
-            await channel.close()
-            await server.drain(0.5)
             engine.shutdown()
 
-    return served()
+    return served_engine()
 
 
 # ---- a scriptable fake draft service (kvmesh.draft.v1) for speculative decoding tests -----------

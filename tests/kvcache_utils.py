@@ -11,7 +11,7 @@ import numpy as np
 
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
-from kvmesh.rpc.server import RpcServer, ServerOptions
+from rpc_utils import served
 from kvmesh.services.kvcache.build import build_store
 from kvmesh.services.kvcache.config import KvcacheConfig
 from kvmesh.services.kvcache.servicer import KvcacheServicer
@@ -50,14 +50,9 @@ async def serving(cfg: KvcacheConfig, embedder=None) -> AsyncIterator[Serving]:
     """Starts a KV-cache server for `cfg` (its port is ignored: port 0), yields it with a client
     stub, then drains it and closes its store. `embedder` replaces the real one (e.g. WordEmbedder)."""
     servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes, embedder=embedder)
-    server = RpcServer("kvcache", ServerOptions(port=0, grace_s=1.0),
-                       lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s), [SERVICE])
-    port = await server.start()
-    address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address)
     try:
-        yield Serving(address, kvcache_pb2_grpc.KvcacheServiceStub(channel), servicer)
+        async with served("kvcache", lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s),
+                          SERVICE) as srv:
+            yield Serving(srv.address, kvcache_pb2_grpc.KvcacheServiceStub(srv.channel), servicer)
     finally:
-        await channel.close()
-        await server.drain(0.5)
         servicer.close()

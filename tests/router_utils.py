@@ -24,6 +24,7 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.rpc.server import RpcServer, ServerOptions
+from rpc_utils import served
 from kvmesh.services.router.build import build_router
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.servicer import RouterServicer
@@ -199,17 +200,11 @@ async def serving_router(cfg: RouterConfig) -> AsyncIterator[RouterHarness]:
     """The router for `cfg` on port 0 behind the shared interceptor, with a client stub."""
     router = build_router(cfg)
     servicer = RouterServicer(router)
-    server = RpcServer("router", ServerOptions(port=0, grace_s=0.5),
-                       lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s),
-                       [ROUTER_SERVICE])
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield RouterHarness(f"127.0.0.1:{port}", router_pb2_grpc.RouterServiceStub(channel),
-                            servicer, server)
+        async with served("router", lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s),
+                          ROUTER_SERVICE, grace_s=0.5) as srv:
+            yield RouterHarness(srv.address, router_pb2_grpc.RouterServiceStub(srv.channel), servicer, srv.server)
     finally:
-        await channel.close()
-        await server.drain(0.5)
         await router.close()
 
 
