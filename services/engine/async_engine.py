@@ -45,10 +45,13 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.kv.codec import CodecSpec
+from kvmesh.kv.keys import document_chunks
+from kvmesh.kvcache.v1 import kvcache_pb2
 from kvmesh.services.engine.core import EngineCore, EngineLoad, EngineRequest, ProbeResult, RequestOutput
-from kvmesh.services.engine.kv_connector import parse_codec
+from kvmesh.services.engine.documents import DocumentExports, Part, check_parts, plan_documents, resolve
+from kvmesh.services.engine.kv_connector import EXPORT_TIMEOUT_S, parse_codec
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
 
@@ -79,25 +82,40 @@ class AsyncEngine:
 
     # ---- asyncio side ------------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+    async def generate(self, prompt_token_ids: list[int] | None, params: SamplingParams,
                        request_id: str = "", cache_salt: bytes = b"",
-                       kv_codec: str = "", speculation: SpecMode | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_codec: str = "", speculation: SpecMode | None = None, *,
+                       parts: list[Part] | None = None, recompute_ratio: float | None = None,
+                       doc_exports: DocumentExports | None = None) -> AsyncIterator[RequestOutput]:
         """Validates and queues a request, then yields its outputs until the final one.
         `speculation` overrides the engine's default mode (plain decoding without a draft
         service, whatever it says).
 
-        With a KV-cache service configured, the prompt's cached prefix is fetched first (while
-        the step loop keeps serving other requests); that never fails the request."""
+        The prompt is `prompt_token_ids`, or `parts` marking documents (see
+        services/engine/documents.py: resolved, their cached KV fetched by content and blended
+        with `recompute_ratio`, default the engine's). With a KV-cache service configured, a
+        prompt's cached prefix is fetched first (while the step loop keeps serving other
+        requests); that never fails the request."""
         if self._draining:
             raise Unavailable("the engine is draining for shutdown; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidArgument(f"request_id {request_id!r} is already running; use a unique id")
-        self.core.validate(prompt_token_ids, params)
+        if recompute_ratio is not None and not 0.0 <= recompute_ratio <= 1.0:
+            raise InvalidArgument(f"blend.recompute_ratio must be in [0, 1] (0 = pure reuse, 1 = full prefill), "
+                                  f"got {recompute_ratio}")
+        kv = self.core.kv
+        ingest = doc_exports is not None  # ingest_document: the document alone, stored by content only
+        if parts is not None:
+            check_parts(parts)
+        elif prompt_token_ids is not None:
+            self.core.validate(prompt_token_ids, params)
+        else:
+            raise InvalidArgument("a request needs a prompt: token ids or parts")
         spec = None
         if kv_codec:
             try:
-                spec = parse_codec(kv_codec, self.core.kv.config.codec if self.core.kv else CodecSpec())
+                spec = parse_codec(kv_codec, kv.config.codec if kv else CodecSpec())
             except ValueError as err:
                 raise InvalidArgument(str(err)) from err
         if len(self._streams) >= self.max_waiting + self.core.sched_config.max_num_seqs:
@@ -108,16 +126,25 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
         try:
-            plan = None
-            if self.core.kv is not None:
-                fetch = params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
+            plan, blend, document_ids = None, None, ()
+            fetch = params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
+            if parts is not None:
+                namespace = kv.namespace(cache_salt) if kv is not None else None
+                resolved = await resolve(parts, kv, namespace)
+                prompt_token_ids, document_ids = resolved.token_ids, tuple(resolved.document_ids)
+                self.core.validate(prompt_token_ids, params)
+                if kv is not None and resolved.documents:
+                    ratio = self.core.blend_config.recompute_ratio if recompute_ratio is None else recompute_ratio
+                    blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0)
+            if kv is not None and blend is None and not ingest:  # blended KV is not a prefix's
                 local = self.core.cached_prefix_tokens(prompt_token_ids, cache_salt) if fetch else 0
-                plan = await self.core.kv.prepare(list(prompt_token_ids), cache_salt, spec, local, fetch=fetch)
+                plan = await kv.prepare(list(prompt_token_ids), cache_salt, spec, local, fetch=fetch)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         req = EngineRequest(request_id, list(prompt_token_ids), params, arrival,
-                            cache_salt=cache_salt, kv_plan=plan, speculation=speculation)
+                            cache_salt=cache_salt, kv_plan=plan, speculation=speculation,
+                            blend=blend, doc_exports=doc_exports, document_ids=document_ids, kv_spec=spec)
         self._post("add", req)
         finished = False
         try:
@@ -135,6 +162,50 @@ class AsyncEngine:
                 self._post("abort", request_id)
             if self._idle is not None and not self._streams:
                 self._idle.set()
+
+    async def ingest_document(self, document_id: str, token_ids: list[int], text: str, *,
+                              metadata: dict[str, str] | None = None, cache_salt: bytes = b"",
+                              ttl_s: float | None = None, pinned: bool = False,
+                              kv_codec: str = "") -> tuple[int, int, int]:
+        """Stores a document's KV (computed alone, from position 0) by content key, then its
+        catalog entry. Returns (tokens, chunks, chunks already stored)."""
+        kv = self.core.kv
+        if kv is None:
+            raise FailedPrecondition("ingesting documents needs the KV-cache service; start the engine with "
+                                     "--kvcache-address (kvmesh up does)")
+        if not document_id:
+            raise InvalidArgument("IngestDocument: document_id is empty; name the document")
+        if not token_ids:
+            raise InvalidArgument("IngestDocument: the document is empty; send text or token ids")
+        ttl = ttl_s if ttl_s is not None else None
+        if ttl is not None and not ttl > 0:
+            raise InvalidArgument(f"IngestDocument: ttl_s must be > 0 seconds, got {ttl}")
+        namespace = kv.namespace(cache_salt)
+        chunks = document_chunks(token_ids, kv.config.chunk_tokens, namespace)
+        present = await kv.lookup([key for _, _, key in chunks])
+        missing = [(key, a, b) for (a, b, key), p in zip(chunks, present) if not p]
+        if missing:
+            loop = asyncio.get_running_loop()
+            stored: asyncio.Future[bool] = loop.create_future()
+
+            def done(ok: bool) -> None:
+                loop.call_soon_threadsafe(lambda: stored.done() or stored.set_result(ok))
+
+            exports = DocumentExports(namespace, missing, on_done=done)
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            last = None
+            async for last in self.generate(token_ids, params, cache_salt=cache_salt, kv_codec=kv_codec,
+                                            speculation=SpecMode.OFF, doc_exports=exports):
+                pass
+            if last is None or last.finish_reason == "abort":
+                raise Unavailable("ingesting the document was aborted (engine stopping?); retry")
+            if not await asyncio.wait_for(stored, EXPORT_TIMEOUT_S * len(missing)):
+                raise Unavailable("storing the document's KV in the KV-cache service failed; retry")
+        await kv.put_document(kvcache_pb2.PutDocumentRequest(
+            namespace=namespace, document_id=document_id, metadata=metadata or {},
+            text=text or self.core.tokenizer.decode(token_ids), token_ids=token_ids,
+            chunk_keys=[key for _, _, key in chunks], ttl_s=ttl, pinned=pinned))
+        return len(token_ids), len(chunks), len(chunks) - len(missing)
 
     def probe(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> ProbeResult:
         """The prompt's reusable cached prefix and the engine's load, without waiting for the

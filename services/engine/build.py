@@ -14,7 +14,7 @@ from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.core import EngineCore, SpecConfig
+from kvmesh.services.engine.core import BlendConfig, EngineCore, SpecConfig
 from kvmesh.services.engine.draft_client import DraftClient, DraftClientConfig
 from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
@@ -47,7 +47,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching,
                       kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
-                      spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens))
+                      spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens),
+                      blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers))
 
 
 def build_draft_client(cfg: EngineConfig, loaded: LoadedModel) -> DraftClient | None:

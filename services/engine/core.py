@@ -15,6 +15,9 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.model.loader import LoadedModel
 from kvmesh.model.tokenizer import IncrementalDetokenizer
 from kvmesh.services.engine.block_manager import BlockManager
+from kvmesh.kv.blend import blend_prefill
+from kvmesh.kv.codec import CodecSpec
+from kvmesh.services.engine.documents import BlendPlan, DocumentExports
 from kvmesh.services.engine.draft_client import DraftClient, DraftQuery
 from kvmesh.services.engine.kv_connector import ExportJob, KvConnector, KvPlan
 from kvmesh.services.engine.runner import DraftLogits, ModelRunner, PromptLogprobsChunk
@@ -41,6 +44,34 @@ class EngineRequest:
     """What the KV-cache service held for this prompt (fetched before queuing), if it is used."""
     speculation: Optional[SpecMode] = None
     """Speculative decoding for this request; None = the engine's default."""
+    blend: Optional[BlendPlan] = None
+    """Cached document KV to blend in before the prompt is computed (services/engine/documents)."""
+    doc_exports: Optional[DocumentExports] = None
+    """Document chunks to store by content key once the prompt is computed."""
+    document_ids: tuple[str, ...] = ()
+    """Catalogued documents the prompt holds (reported in the final output)."""
+    kv_spec: Optional[CodecSpec] = None
+    """Codec of the document chunks this request stores; None = the deployment's."""
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How the engine blends cached document KV (kvmesh.kv.blend)."""
+
+    recompute_ratio: float = 0.15
+    """Share of reused document tokens recomputed, for requests that set none."""
+    select_layers: int = 1
+    """Leading layers run over every token to choose which to recompute."""
+
+
+@dataclass(frozen=True)
+class DocumentUsage:
+    """What a prompt with documents reused: tokens whose KV came from cached documents, how many
+    of them were recomputed, and the catalogued documents it held."""
+
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
+    document_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +110,8 @@ class RequestOutput:
     e2e_s: float = 0.0
     spec: Optional[SpecUsage] = None
     """Final output only: the request's speculative decoding counters."""
+    documents: Optional[DocumentUsage] = None
+    """Final output only, for prompts with documents."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +150,10 @@ class _State:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # collected chunk by chunk
     spec_mode: SpecMode = SpecMode.OFF
     spec: SpecUsage = field(default_factory=SpecUsage)
+    blend: Optional[BlendPlan] = None  # run when the request reaches the head of the queue
+    doc_exports: Optional[DocumentExports] = None  # set until the prompt is computed
+    kv_spec: Optional[CodecSpec] = None
+    documents: Optional[DocumentUsage] = None
 
 
 class EngineCore:
@@ -124,7 +161,8 @@ class EngineCore:
 
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, sched_config: SchedulerConfig,
                  *, enable_prefix_caching: bool = True, kv: Optional[KvConnector] = None,
-                 drafts: Optional[DraftClient] = None, spec: SpecConfig = SpecConfig()) -> None:
+                 drafts: Optional[DraftClient] = None, spec: SpecConfig = SpecConfig(),
+                 blend: BlendConfig = BlendConfig()) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.runner = runner
@@ -147,6 +185,7 @@ class EngineCore:
         """Whether drafting pays at the current batch size, measured (ADAPTIVE requests)."""
         """The draft service link, or None (no speculative decoding)."""
         self.spec_config = spec
+        self.blend_config = blend
         self.spec_totals = SpecUsage()
         """Speculative decoding counters over every request since start."""
         self._states: dict[str, _State] = {}
@@ -171,8 +210,11 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> None:
         """Queues a validated request (ResourceExhausted when the queue is full)."""
+        salt = req.cache_salt
+        if req.blend is not None:  # blended KV is not exact: its blocks only match the same blend
+            salt += f"\0blend:{req.blend.recompute_ratio:.4f}:{self.blend_config.select_layers}".encode()
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
-                       params=req.params, arrival_time=req.arrival_time, cache_salt=req.cache_salt,
+                       params=req.params, arrival_time=req.arrival_time, cache_salt=salt,
                        needs_prompt_logprobs=req.params.prompt_logprobs is not None)
         plan = req.kv_plan if self.kv is not None else None
         if plan is not None and plan.kv is not None:
@@ -187,7 +229,11 @@ class EngineCore:
             matcher=StopStringMatcher(req.params.stop),
             generator=generator,
             kv_plan=plan if plan is not None and not all(plan.present) else None,
-            spec_mode=mode if self.drafts is not None else SpecMode.OFF)
+            spec_mode=mode if self.drafts is not None else SpecMode.OFF,
+            blend=req.blend, doc_exports=req.doc_exports if self.kv is not None else None,
+            kv_spec=req.kv_spec,
+            documents=DocumentUsage(document_ids=req.document_ids) if req.blend or req.document_ids
+            or req.doc_exports else None)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Stops a request and frees its blocks; returns its final output, or None if unknown."""
@@ -242,6 +288,7 @@ class EngineCore:
         `_propose`), whose drafts the scheduler fits into the step and the runner computes with
         everything else; then plain sampling for the other sequences and verification for those."""
         step_start = time.perf_counter()
+        self._blend_head()
         gated = self._gate_step()
         drafts = self._propose(gated) if self.drafts is not None else {}
         out = self.scheduler.schedule(drafts)
@@ -274,6 +321,24 @@ class EngineCore:
             self.gate.record(gated[0], gated[1], sum(len(o.token_ids) for o in outputs),
                              time.perf_counter() - step_start)
         return outputs
+
+    def _blend_head(self) -> None:
+        """Blends the cached document KV of the request at the head of the queue (see the NOTE
+        in services/engine/documents.py): the result waits on the sequence as imported KV, up to
+        the last whole block before its last prompt token, which the step computes."""
+        if not self.scheduler.waiting:
+            return
+        seq = self.scheduler.waiting[0]
+        state = self._states.get(seq.request_id)
+        if state is None or state.blend is None:
+            return
+        plan, state.blend = state.blend, None
+        res = blend_prefill(self.loaded.model, plan.segments, plan.recompute_ratio, self.blend_config.select_layers)
+        n = (seq.num_prompt_tokens - 1) // self.runner.block_size * self.runner.block_size
+        if n:
+            seq.external_kv, seq.external_start, seq.external_tokens = (res.k[:, :n], res.v[:, :n]), 0, n
+        recomputed = int((~res.deviation.isnan())[res.recomputed].sum())
+        state.documents = DocumentUsage(plan.cached_tokens, recomputed, state.documents.document_ids)
 
     def _gate_step(self) -> tuple[int, bool] | None:
         """(batch, whether ADAPTIVE requests may draft) for a pure decode step that has ADAPTIVE
@@ -343,17 +408,41 @@ class EngineCore:
         chunk = self.kv.config.chunk_tokens
         for item in out.scheduled:
             state = self._states.get(item.seq.request_id)
-            if state is None or state.kv_plan is None:
+            if state is None or (state.kv_plan is None and state.doc_exports is None):
                 continue
             seq, plan = state.seq, state.kv_plan
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 continue  # prefill still running
+            if state.doc_exports is not None:
+                self._export_documents(state)
+            if plan is None:
+                continue
             state.kv_plan = None
             first = plan.present.index(False)
             start, end = first * chunk, len(plan.keys) * chunk
             k, v = self.runner.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
             self.kv.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end],
                                             start, k, v, plan.spec))
+
+    def _export_documents(self, state: _State) -> None:
+        """Hands the KV of the prompt's document chunks the service lacked to the exporter, one
+        job per chunk (keys un-rotated from their prompt positions, stored by content key)."""
+        exports, state.doc_exports = state.doc_exports, None
+        seq = state.seq
+        pending = len(exports.chunks)
+        results: list[bool] = []
+
+        def done(ok: bool) -> None:  # on the export thread, or here when a job is dropped
+            results.append(ok)
+            if len(results) == pending and exports.on_done is not None:
+                exports.on_done(all(results))
+
+        if not pending and exports.on_done is not None:
+            exports.on_done(True)
+        for key, a, b in exports.chunks:
+            k, v = self.runner.read_kv(seq, a, b)
+            self.kv.submit_export(ExportJob(exports.namespace, [key], seq.prompt_token_ids[a:b], a, k, v,
+                                            state.kv_spec, on_done=done))
 
     def _emit(self, state: _State, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         """Appends `tokens` (with their logprobs, if asked for) to the sequence one by one, each
@@ -407,4 +496,4 @@ class EngineCore:
             usage=Usage(prompt_tokens=seq.num_prompt_tokens,
                         completion_tokens=len(seq.output_token_ids),
                         cached_prompt_tokens=seq.num_cached_tokens),
-            ttft_s=ttft, e2e_s=now - seq.arrival_time, spec=state.spec)
+            ttft_s=ttft, e2e_s=now - seq.arrival_time, spec=state.spec, documents=state.documents)

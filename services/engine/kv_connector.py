@@ -27,12 +27,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import grpc
 import torch
 
 from kvmesh.kv import codec, transfer
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
+from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
@@ -80,6 +82,8 @@ class ExportJob:
     k: torch.Tensor
     v: torch.Tensor
     spec: codec.CodecSpec | None = None  # the request's codec; None = the deployment's
+    on_done: Optional[Callable[[bool], None]] = None
+    """Called on the export thread once the job's chunks are stored (True) or given up (False)."""
 
 
 @dataclass
@@ -264,6 +268,96 @@ class KvConnector:
         dest[1][:, start:start + len(ids)].copy_(v)
         return True
 
+    # ---- documents: content keys and the catalog (asyncio side) --------------------------------
+
+    async def lookup(self, keys: list[bytes]) -> list[bool]:
+        """Which of `keys` the service holds (any tier). Raises Unavailable when it does not answer."""
+        if not keys:
+            return []
+        try:
+            found = await self._stub().Lookup(pb.LookupRequest(keys=keys), timeout=self.config.timeout_s)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            raise Unavailable(f"KV-cache service {self.config.address}: {_describe(err)}") from err
+        return [t != pb.TIER_NONE for t in found.tiers]
+
+    async def fetch_chunks(self, namespace: bytes, chunks: list[tuple[bytes, list[int]]]
+                           ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """KV of chunks stored by content key: per (key, token ids), position-free keys and
+        values [layers, len(ids), kvh, hd] in the engine dtype, or None where the chunk is
+        missing, damaged or holds other tokens. Never raises for a chunk: a failed stream leaves
+        the rest None (computed instead)."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(chunks)
+        if not chunks:
+            return out
+        loop = asyncio.get_running_loop()
+        decodes: dict[int, asyncio.Future] = {}
+        i, header, parts, got = -1, None, [], 0
+        try:
+            call = self._stub().Get(pb.GetRequest(keys=[k for k, _ in chunks]), timeout=self.config.timeout_s)
+            async for msg in call:
+                if msg.HasField("header"):
+                    i += 1
+                    header, parts, got = (msg.header if msg.header.found else None), [], 0
+                    continue
+                parts.append(msg.data)
+                got += len(msg.data)
+                if header is not None and got >= header.total_bytes:
+                    blob = b"".join(parts)
+                    if len(blob) == header.total_bytes and transfer.checksum(blob) == header.checksum:
+                        decodes[i] = loop.run_in_executor(self._codec_pool, self._decode_free, blob,
+                                                          chunks[i][1], namespace)
+                    header = None
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            self.stats.fetch_failures += 1
+            log.warning("KV service unavailable for document chunks (%s); computing them", _describe(err))
+        for j, fut in decodes.items():
+            out[j] = await fut
+        self.stats.fetched_chunks += sum(x is not None for x in out)
+        return out
+
+    def _decode_free(self, blob: bytes, ids: list[int], namespace: bytes
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        try:
+            k, v, header = codec.decode(blob, namespace=namespace, dtype=self.dtype, expect_shape=(L, len(ids), H, D))
+        except (codec.CorruptBlob, codec.NamespaceMismatch) as err:
+            log.warning("document KV chunk rejected (%s); computing it", err)
+            return None
+        if list(header.token_ids) != list(ids):
+            log.warning("document KV chunk holds other token ids than its key claims; computing it")
+            return None
+        return k, v
+
+    async def get_document(self, namespace: bytes, document_id: str) -> pb.Document:
+        """The catalog entry (NotFound when absent, Unavailable when the service is down)."""
+        try:
+            resp = await self._stub().GetDocument(pb.GetDocumentRequest(namespace=namespace, document_id=document_id),
+                                                  timeout=self.config.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"document {document_id!r} is not in the KV service's catalog for this tenant; "
+                               "ingest it first (kvmesh docs add, or Engine.IngestDocument)") from err
+            raise Unavailable(f"KV-cache service {self.config.address}: {_describe(err)}") from err
+        return resp.document
+
+    async def search_documents(self, namespace: bytes, query: str, k: int) -> list[str]:
+        """Ids of the `k` catalogued documents nearest to `query`, nearest first."""
+        try:
+            resp = await self._stub().Search(pb.SearchRequest(text=query, namespace=namespace,
+                                                              kind=pb.INDEX_KIND_DOCUMENT, k=k),
+                                             timeout=self.config.timeout_s)
+        except grpc.RpcError as err:
+            raise Unavailable(f"KV-cache service {self.config.address}: {_describe(err)}") from err
+        return [h.document_id for h in resp.hits]
+
+    async def put_document(self, request: pb.PutDocumentRequest) -> None:
+        try:
+            await self._stub().PutDocument(request, timeout=max(self.config.timeout_s, EXPORT_TIMEOUT_S))
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(err.details()) from err
+            raise Unavailable(f"KV-cache service {self.config.address}: {_describe(err)}") from err
+
     # ---- export (step loop -> export thread) ---------------------------------------------------
 
     def submit_export(self, job: ExportJob) -> None:
@@ -272,6 +366,8 @@ class KvConnector:
             self._exports.put_nowait(job)
         except queue.Full:
             self.stats.export_dropped += len(job.keys)
+            if job.on_done is not None:
+                job.on_done(False)
 
     def _export_loop(self) -> None:
         torch.set_num_threads(1)
@@ -279,6 +375,7 @@ class KvConnector:
         stub = kvcache_pb2_grpc.KvcacheServiceStub(channel)
         chunk = self.config.chunk_tokens
         while (job := self._exports.get()) is not None:
+            ok = True
             for i, key in enumerate(job.keys):
                 sl = slice(i * chunk, (i + 1) * chunk)
                 try:
@@ -291,7 +388,10 @@ class KvConnector:
                 except grpc.RpcError as err:
                     self.stats.export_failures += len(job.keys) - i
                     log.warning("KV export failed (%s); dropping %d chunks", _describe(err), len(job.keys) - i)
+                    ok = False
                     break
+            if job.on_done is not None:
+                job.on_done(ok)
             self._exports.task_done()
         channel.close()
 

@@ -4,6 +4,7 @@ Errors are raised as kvmesh.errors exceptions; the shared interceptor turns them
 """
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 import grpc
@@ -14,6 +15,7 @@ from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import RequestOutput
+from kvmesh.services.engine.documents import CatalogDocument, InlineDocument, Part, Retrieval, Tokens
 from kvmesh.services.engine.sampler import TokenLogprobs
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
@@ -73,6 +75,25 @@ def sampling_from_proto(sp: engine_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
+def parts_from_proto(prompt: engine_pb2.Prompt) -> list[Part]:
+    """GenerateRequest.parts as domain parts (checked by documents.check_parts)."""
+    _reject_unknown_fields(prompt, "parts")
+    out: list[Part] = []
+    for i, p in enumerate(prompt.parts):
+        which = p.WhichOneof("part")
+        if which == "tokens":
+            out.append(Tokens(tuple(p.tokens.ids)))
+        elif which == "document":
+            out.append(InlineDocument(tuple(p.document.ids)))
+        elif which == "document_id":
+            out.append(CatalogDocument(p.document_id))
+        elif which == "retrieve":
+            out.append(Retrieval(p.retrieve.query, int(p.retrieve.k), tuple(p.retrieve.separator.ids)))
+        else:
+            raise InvalidArgument(f"parts[{i}] is empty; set tokens, document, document_id or retrieve")
+    return out
+
+
 def _logprobs_to_proto(lp: TokenLogprobs, tokenizer) -> engine_pb2.TokenLogprobs:
     def entry(token_id: int, logprob: float) -> common_pb2.TokenLogprob:
         text = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -94,19 +115,48 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         _reject_unknown_fields(request, "GenerateRequest")
         which = request.WhichOneof("prompt")
         if which is None:
-            raise InvalidArgument("GenerateRequest needs a prompt: set `text` or `token_ids`")
+            raise InvalidArgument("GenerateRequest needs a prompt: set `text`, `token_ids` or `parts`")
         tokenizer = self.engine.core.tokenizer
+        ids, parts = None, None
         if which == "text":
             ids = tokenizer.encode(request.text)
-        else:
+        elif which == "token_ids":
             _reject_unknown_fields(request.token_ids, "token_ids")
             ids = list(request.token_ids.ids)
+        else:
+            parts = parts_from_proto(request.parts)
+        ratio = None
+        if request.HasField("blend"):
+            _reject_unknown_fields(request.blend, "blend")
+            if request.blend.HasField("recompute_ratio"):
+                if parts is None:
+                    raise InvalidArgument("blend.recompute_ratio applies to prompts given as `parts` with documents; "
+                                          "send the prompt as parts or drop blend")
+                ratio = float(request.blend.recompute_ratio)
         params = sampling_from_proto(request.sampling)
         speculation = speculation_from_proto(request.speculation)
         salt = request.cache_salt.encode()
         async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt,
-                                              kv_codec=request.kv_codec, speculation=speculation):
+                                              kv_codec=request.kv_codec, speculation=speculation,
+                                              parts=parts, recompute_ratio=ratio):
             yield self._to_proto(out, tokenizer)
+
+    async def IngestDocument(self, request: engine_pb2.IngestDocumentRequest,
+                             context: grpc.aio.ServicerContext) -> engine_pb2.IngestDocumentResponse:
+        _reject_unknown_fields(request, "IngestDocumentRequest")
+        which = request.WhichOneof("content")
+        if which is None:
+            raise InvalidArgument("IngestDocument needs the document: set `text` or `token_ids`")
+        text = request.text if which == "text" else ""
+        if which == "text":
+            ids = await asyncio.to_thread(self.engine.core.tokenizer.encode, text, False)
+        else:
+            ids = list(request.token_ids.ids)
+        tokens, chunks, reused = await self.engine.ingest_document(
+            request.document_id, ids, text, metadata=dict(request.metadata),
+            cache_salt=request.cache_salt.encode(), ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
+            pinned=request.pinned, kv_codec=request.kv_codec)
+        return engine_pb2.IngestDocumentResponse(tokens=tokens, chunks=chunks, reused_chunks=reused)
 
     def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:
         msg = engine_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids,
@@ -121,6 +171,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                        completion_tokens=u.completion_tokens,
                                        cached_prompt_tokens=u.cached_prompt_tokens),
                 stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s))
+            if out.documents is not None:
+                msg.final.blended_tokens = out.documents.blended_tokens
+                msg.final.recomputed_tokens = out.documents.recomputed_tokens
+                msg.final.document_ids.extend(out.documents.document_ids)
             if out.spec is not None:
                 msg.final.spec_steps = out.spec.steps
                 msg.final.draft_tokens = out.spec.draft_tokens

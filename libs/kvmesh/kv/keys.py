@@ -84,3 +84,14 @@ def content_key(chunk_token_ids: Sequence[int], namespace: bytes) -> bytes:
     h.update(namespace)
     h.update(_token_bytes(chunk_token_ids))
     return h.digest()
+
+
+def document_chunks(doc_token_ids: Sequence[int], chunk_tokens: int, namespace: bytes) -> list[tuple[int, int, bytes]]:
+    """Chunks of one document, aligned to its own start (not to the prompt's offsets):
+    ``(start, end, content key)`` per chunk, offsets within the document; the last chunk may be
+    shorter. The same document gives the same keys wherever a prompt places it."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    n = len(doc_token_ids)
+    return [(s, min(n, s + chunk_tokens), content_key(doc_token_ids[s:s + chunk_tokens], namespace))
+            for s in range(0, n, chunk_tokens)]

@@ -1,0 +1,197 @@
+"""Prompts that mark their documents: resolving parts into token ids, finding the documents' KV by
+content, and the plan the step loop blends with.
+
+NOTE (how a prompt with documents is served).
+  1. Resolve (asyncio side). Parts become one token list: plain runs and inline documents as
+     given, catalogued documents by id (GetDocument: the ids tokenized at ingest), retrieval as
+     a Search over the catalog then those documents. Each document occupies a span of the prompt.
+  2. Look up (asyncio side). A document is cut into chunks from its own start (kvmesh.kv.keys.
+     document_chunks), each keyed by content only, so the same document has the same keys at any
+     position and after any instruction. Chunks the service holds are fetched and decoded on the
+     codec threads (position-free keys, as stored), while the step loop serves other requests.
+  3. Blend (step loop, when the request reaches the head of the queue). Cached chunks become
+     cached segments, everything else new text; kvmesh.kv.blend re-rotates the cached keys to
+     their positions and recomputes the chosen share of cached tokens with the new context (the
+     NOTE in blend.py). The result is imported into the request's paged blocks like KV fetched
+     by prefix, up to the last whole block before the last prompt token; that token and the few
+     before it are computed by the normal step, over the blended KV.
+  4. Store. Chunks of documents the service lacked are exported by content key once the prompt
+     is computed, so the next prompt that contains them blends instead of prefilling.
+  Blended KV is not the KV a full prefill gives, so it never poses as exact: it is not exported
+  under prefix keys, and its blocks go into the engine's prefix cache under a namespace of their
+  own (only the same prompt with the same blend settings reuses them).
+  Limitation: the blend runs as one step (its cost is the probe layer over every prompt token plus
+  the recomputed share through the rest); other requests' decodes wait for it, unlike chunked
+  prefill.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+
+from kvmesh.errors import FailedPrecondition, InvalidArgument
+from kvmesh.kv.blend import Segment
+from kvmesh.kv.keys import document_chunks
+
+MAX_RETRIEVE = 16
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InlineDocument:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CatalogDocument:
+    document_id: str
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    query: str
+    k: int
+    separator: tuple[int, ...] = ()
+
+
+Part = Union[Tokens, InlineDocument, CatalogDocument, Retrieval]
+
+
+def check_parts(parts: list[Part]) -> None:
+    """InvalidArgument for parts that cannot make a prompt."""
+    if not parts:
+        raise InvalidArgument("prompt parts are empty; send at least one part")
+    for i, p in enumerate(parts):
+        if isinstance(p, (Tokens, InlineDocument)) and not p.ids:
+            what = "tokens" if isinstance(p, Tokens) else "document"
+            raise InvalidArgument(f"prompt part {i} ({what}) has no token ids; drop it or fill it")
+        if isinstance(p, CatalogDocument) and not p.document_id:
+            raise InvalidArgument(f"prompt part {i} (document_id) is empty; name a catalogued document")
+        if isinstance(p, Retrieval):
+            if not p.query.strip():
+                raise InvalidArgument(f"prompt part {i} (retrieve) has an empty query; send the question to search with")
+            if not 1 <= p.k <= MAX_RETRIEVE:
+                raise InvalidArgument(f"prompt part {i} (retrieve): k must be 1..{MAX_RETRIEVE}, got {p.k}")
+
+
+@dataclass(frozen=True)
+class DocumentSpan:
+    """One document's place in the resolved prompt: token positions [start, end)."""
+
+    start: int
+    end: int
+    document_id: str = ""  # "" for an inline document
+
+
+@dataclass(frozen=True)
+class ResolvedPrompt:
+    token_ids: list[int]
+    documents: list[DocumentSpan]
+    document_ids: list[str]
+    """Catalogued documents used, in prompt order (cited and retrieved)."""
+
+
+async def resolve(parts: list[Part], kv, namespace: bytes | None) -> ResolvedPrompt:
+    """Token ids of the prompt and where its documents sit. `kv` (a KvConnector, or None) is
+    needed for catalogued documents and retrieval (FailedPrecondition without it)."""
+    check_parts(parts)
+    ids: list[int] = []
+    spans: list[DocumentSpan] = []
+    used: list[str] = []
+
+    async def catalogued(doc_id: str) -> None:
+        doc = await kv.get_document(namespace, doc_id)
+        if not doc.token_ids:
+            raise FailedPrecondition(f"document {doc_id!r} has no token ids in the catalog; ingest it again")
+        spans.append(DocumentSpan(len(ids), len(ids) + len(doc.token_ids), doc_id))
+        ids.extend(doc.token_ids)
+        used.append(doc_id)
+
+    for p in parts:
+        if isinstance(p, Tokens):
+            ids.extend(p.ids)
+        elif isinstance(p, InlineDocument):
+            spans.append(DocumentSpan(len(ids), len(ids) + len(p.ids)))
+            ids.extend(p.ids)
+        else:
+            if kv is None:
+                raise FailedPrecondition("documents by id and retrieval need the KV-cache service; start the "
+                                         "engine with --kvcache-address (kvmesh up does)")
+            if isinstance(p, CatalogDocument):
+                await catalogued(p.document_id)
+            else:
+                for j, doc_id in enumerate(await kv.search_documents(namespace, p.query, p.k)):
+                    if j:
+                        ids.extend(p.separator)
+                    await catalogued(doc_id)
+    return ResolvedPrompt(ids, spans, used)
+
+
+@dataclass
+class BlendPlan:
+    """What the step loop blends for one request, and what it stores afterwards."""
+
+    segments: list[Segment]
+    recompute_ratio: float
+    cached_tokens: int
+    """Prompt tokens whose KV comes from cached document chunks."""
+
+
+@dataclass
+class DocumentExports:
+    """Document chunks the service lacked: stored by content key once the prompt is computed."""
+
+    namespace: bytes
+    chunks: list[tuple[bytes, int, int]] = field(default_factory=list)  # key, prompt start, end
+    on_done: Optional[Callable[[bool], None]] = None
+    """Called once every chunk is stored (True) or one was given up (False); any thread."""
+
+
+async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: float
+                         ) -> tuple[BlendPlan | None, DocumentExports]:
+    """Looks up and fetches every document chunk; a BlendPlan when any is cached (and ratio < 1:
+    ratio 1 is a full prefill), and the chunks to store afterwards."""
+    chunk = kv.config.chunk_tokens
+    where: list[tuple[bytes, int, int]] = []  # key, prompt start, end
+    for span in prompt.documents:
+        doc = prompt.token_ids[span.start:span.end]
+        where += [(key, span.start + a, span.start + b) for a, b, key in document_chunks(doc, chunk, namespace)]
+    exports = DocumentExports(namespace)
+    try:
+        present = await kv.lookup([key for key, _, _ in where])
+    except Exception:  # noqa: BLE001 - optional: the service down means compute (and try to store)
+        present = [False] * len(where)
+    fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if ratio < 1.0 and any(present):
+        wanted = [i for i, p in enumerate(present) if p]
+        got = await kv.fetch_chunks(namespace, [(where[i][0], prompt.token_ids[where[i][1]:where[i][2]])
+                                                for i in wanted])
+        fetched = {i: kv_ for i, kv_ in zip(wanted, got) if kv_ is not None}
+    exports.chunks = [w for i, w in enumerate(where) if not present[i]]
+    if not fetched:
+        return None, exports
+    segments: list[Segment] = []
+    pos = 0
+    for i in sorted(fetched):
+        _, a, b = where[i]
+        if a > pos:
+            segments.append(Segment.new(prompt.token_ids[pos:a]))
+        k, v = fetched[i]
+        segments.append(Segment.cached(prompt.token_ids[a:b], k, v))
+        pos = b
+    if pos < len(prompt.token_ids):
+        segments.append(Segment.new(prompt.token_ids[pos:]))
+    if segments[-1].is_cached:  # the last prompt token must be computed (its logits are the output)
+        last = segments.pop()
+        n = len(last.token_ids) - 1
+        if n:
+            segments.append(Segment.cached(last.token_ids[:n], last.k[:, :n], last.v[:, :n]))
+        segments.append(Segment.new(last.token_ids[n:]))
+    cached = sum(len(s.token_ids) for s in segments if s.is_cached)
+    return BlendPlan(segments, ratio, cached), exports
