@@ -4,8 +4,8 @@ that runs the real gateway (uvicorn + gRPC) in front of the fake, in a backgroun
 The fake router behaves like the real stack at the RouterService boundary: it streams
 RouteResponses with engine GenerateResponse deltas (text already detokenized, stop strings cut
 with FINISH_REASON_STOP_STRING, max_tokens → LENGTH), logprobs and prompt_logprobs when asked,
-a final message with usage (cached_prompt_tokens = `cached_tokens`), and it records every call
-with its metadata. Knobs: `fail` (abort with a status code, after some tokens), `gate` (hold every
+a final message with usage (cached_prompt_tokens = `cached_tokens`, then `final` merged in), and
+it records every call with its metadata. Knobs: `fail` (abort with a status code, after some tokens), `gate` (hold every
 generation until released) and `hang` (after the first delta, wait until cancelled). Every
 cancellation observed sets the `cancelled` threading.Event, so tests can wait on it with a timeout.
 """
@@ -73,6 +73,8 @@ class FakeRouterState:
         router_pb2.ModelCard(id="cascade", root="tiny-root", max_model_len=MAX_MODEL_LEN,
                              kind="cascade", tiers=[MODEL, "big"])])
     cached_tokens: int = 0
+    final: engine_pb2.Final | None = None
+    """Merged into every final message (e.g. a document prompt's blend counters and usage)."""
     models_fail: grpc.StatusCode | None = None
     """Answer ListModels with this code (e.g. UNAVAILABLE: the router looks down)."""
     fail: tuple[grpc.StatusCode, str, int] | None = None
@@ -131,7 +133,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             words[0] = f" Seed{sp.seed}"
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 256
         k = sp.logprobs if sp.HasField("logprobs") else None
-        ids = list(g.token_ids.ids)
+        ids = list(g.token_ids.ids) or [t for p in g.parts.parts
+                                         for t in (*p.tokens.ids, *p.document.ids)]
         first = engine_pb2.GenerateResponse(request_id=g.request_id)
         if sp.HasField("prompt_logprobs"):
             first.prompt_logprobs.extend(
@@ -161,11 +164,14 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
                 break
             if s.hang:
                 await asyncio.Event().wait()  # until cancelled
+        final = engine_pb2.Final(
+            finish_reason=finish,
+            usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=generated,
+                                   cached_prompt_tokens=s.cached_tokens))
+        if s.final is not None:
+            final.MergeFrom(s.final)
         yield router_pb2.RouteResponse(response=engine_pb2.GenerateResponse(
-            request_id=g.request_id, final=engine_pb2.Final(
-                finish_reason=finish,
-                usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=generated,
-                                       cached_prompt_tokens=s.cached_tokens))))
+            request_id=g.request_id, final=final))
 
 
 class GatewayHarness:

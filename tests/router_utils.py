@@ -51,6 +51,7 @@ class Script:
     hold_after: int | None = None                 # wait for `release` after this many tokens
     model: str = "fake-model"
     max_model_len: int = 2048
+    final: engine_pb2.Final | None = None         # merged into the final message
 
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
@@ -103,10 +104,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                 yield msg
             done = True
             prompt = len(request.token_ids.ids) or len(request.text.split())
-            yield engine_pb2.GenerateResponse(request_id=rid, final=engine_pb2.Final(
+            final = engine_pb2.Final(
                 finish_reason=common_pb2.FINISH_REASON_STOP,
                 usage=common_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(s.tokens),
-                                       cached_prompt_tokens=s.cached_tokens)))
+                                       cached_prompt_tokens=s.cached_tokens))
+            if s.final is not None:
+                final.MergeFrom(s.final)
+            yield engine_pb2.GenerateResponse(request_id=rid, final=final)
         finally:
             if not done:
                 self.cancelled.append(rid)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -24,10 +24,13 @@ from kvmesh.services.gateway.service import Gateway
 from kvmesh.services.gateway.spec import (
     ChatTurn,
     ChoiceDelta,
+    DocumentRef,
     GenerationRequest,
     Kind,
+    Retrieval,
     Sampling,
     TokenLogprob,
+    Usage,
 )
 from kvmesh.services.gateway.sse import CLIENT_CLOSED
 
@@ -60,8 +63,30 @@ def chat_request(r: pb.ChatCompleteRequest) -> GenerationRequest:
     sampling, n = _sampling(r.options)
     messages = tuple(ChatTurn(m.role, m.content, m.name if m.HasField("name") else None)
                      for m in r.messages)
+    documents = tuple(DocumentRef(id=d.id if d.WhichOneof("source") == "id" else None,
+                                  text=d.text if d.WhichOneof("source") == "text" else None)
+                      for d in r.documents)
+    retrieve = None
+    if r.HasField("retrieve"):
+        retrieve = Retrieval(r.retrieve.top_k,
+                             r.retrieve.query if r.retrieve.HasField("query") else None)
     return GenerationRequest(kind="chat", model=r.model, messages=messages, sampling=sampling,
-                             n=n, user=r.user)
+                             n=n, user=r.user, documents=documents, retrieve=retrieve,
+                             recompute_ratio=(r.recompute_ratio if r.HasField("recompute_ratio")
+                                              else None))
+
+
+def final_chunk(head: dict[str, Any], u: Usage) -> pb.CompletionChunk:
+    """The last message: usage, and how the documents were used when the request had some."""
+    chunk = pb.CompletionChunk(**head, usage=pb.Usage(
+        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens, cached_tokens=u.cached_tokens))
+    if u.documents is not None:
+        chunk.documents.CopyFrom(pb.DocumentUsage(
+            document_ids=list(u.documents.document_ids),
+            blended_tokens=u.documents.blended_tokens,
+            recomputed_tokens=u.documents.recomputed_tokens))
+    return chunk
 
 
 def _logprobs(entries: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprobs]:
@@ -145,10 +170,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             async for delta in generation.deltas():
                 yield pb.CompletionChunk(**head, choices=[delta_proto(delta, req.kind)])
-            u = generation.usage
-            yield pb.CompletionChunk(**head, usage=pb.Usage(
-                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                total_tokens=u.total_tokens, cached_tokens=u.cached_tokens))
+            yield final_chunk(head, generation.usage)
         except (asyncio.CancelledError, GeneratorExit):
             status = CLIENT_CLOSED
             raise

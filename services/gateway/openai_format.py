@@ -5,6 +5,10 @@ objects for a delta, `add(delta)` accumulates it for a non-streaming response, a
 builds that response. Completions use the legacy `logprobs` object (tokens, token_logprobs,
 top_logprobs, text_offset — offsets count characters from the start of the choice's text, echoed
 prompt included); chat uses `logprobs.content` entries with bytes and top_logprobs.
+
+Requests with documents get a kvmesh extension object next to `usage` (in the response, and in
+the streamed usage chunk): ``"kvmesh": {"document_ids": [...], "blended_tokens": N,
+"recomputed_tokens": M}``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,16 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _with_usage(body: dict[str, Any], usage: Usage) -> dict[str, Any]:
+    body["usage"] = usage_body(usage)
+    if usage.documents is not None:
+        d = usage.documents
+        body["kvmesh"] = {"document_ids": list(d.document_ids),
+                          "blended_tokens": d.blended_tokens,
+                          "recomputed_tokens": d.recomputed_tokens}
+    return body
 
 
 def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
@@ -121,7 +135,7 @@ class Formatter:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The final `choices: []` chunk carrying usage (stream_options.include_usage)."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage_body(usage)}
+        return _with_usage({**self._head(obj), "choices": []}, usage)
 
     # --- non-streaming ------------------------------------------------------------------------
 
@@ -152,4 +166,4 @@ class Formatter:
                                 "message": {"role": "assistant", "content": text, "refusal": None},
                                 "logprobs": logprobs, "finish_reason": state.finish_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage_body(usage)}
+        return _with_usage({**self._head(obj), "choices": choices}, usage)

@@ -4,6 +4,10 @@ Unknown fields are ignored, as OpenAI's API does. Known knobs the stack cannot h
 logit_bias, tools, non-text response formats, best_of != n, suffix, ...) are refused with a 400
 that names them, rather than silently ignored: a client relying on them would get wrong output.
 Range checks shared with the gRPC API live in `spec.validate_request`.
+
+kvmesh extensions of chat completions: `documents` (a list of `{"id": ...}` or `{"text": ...}`),
+`retrieve` (`{"top_k": 1..16, "query": optional}`) and `recompute_ratio` (0..1); see
+`spec.GenerationRequest`. Completions refuse them.
 """
 from __future__ import annotations
 
@@ -13,7 +17,13 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvmesh.services.gateway.errors import ApiError, invalid
-from kvmesh.services.gateway.spec import ChatTurn, GenerationRequest, Sampling
+from kvmesh.services.gateway.spec import (
+    ChatTurn,
+    DocumentRef,
+    GenerationRequest,
+    Retrieval,
+    Sampling,
+)
 
 
 class _Body(BaseModel):
@@ -34,6 +44,18 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+
+
+class DocumentBody(_Body):
+    """One entry of `documents`: exactly one of `id` (catalogued) and `text` (inline)."""
+
+    id: str | None = None
+    text: str | None = None
+
+
+class RetrieveBody(_Body):
+    top_k: int
+    query: str | None = None
 
 
 class _Common(_Body):
@@ -60,6 +82,9 @@ class CompletionBody(_Common):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    documents: Any = None
+    retrieve: Any = None
+    recompute_ratio: Any = None
 
 
 class ChatCompletionBody(_Common):
@@ -77,6 +102,9 @@ class ChatCompletionBody(_Common):
     prediction: Any = None
     audio: Any = None
     modalities: list[str] | None = None
+    documents: list[DocumentBody] | None = None
+    retrieve: RetrieveBody | None = None
+    recompute_ratio: float | None = None
 
 
 Body = Union[CompletionBody, ChatCompletionBody]
@@ -149,6 +177,10 @@ def completion_request(body: CompletionBody) -> GenerationRequest:
         raise _unsupported("best_of", f" unless equal to n ({n}); use n")
     if body.suffix:
         raise _unsupported("suffix")
+    for name in ("documents", "retrieve", "recompute_ratio"):
+        if getattr(body, name) is not None:
+            raise invalid(f"{name} is only supported by chat completions "
+                          "(/v1/chat/completions)", name, "unsupported_parameter")
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: tuple[str | tuple[int, ...], ...] = (prompt,)
@@ -205,4 +237,8 @@ def chat_request(body: ChatCompletionBody) -> GenerationRequest:
         kind="chat", model=body.model, messages=messages, n=1 if body.n is None else body.n,
         user=body.user or "",
         sampling=Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          seed=body.seed, stop=_stop(body.stop), logprobs=logprobs))
+                          seed=body.seed, stop=_stop(body.stop), logprobs=logprobs),
+        documents=tuple(DocumentRef(d.id, d.text) for d in body.documents or ()),
+        retrieve=(None if body.retrieve is None
+                  else Retrieval(body.retrieve.top_k, body.retrieve.query)),
+        recompute_ratio=body.recompute_ratio)

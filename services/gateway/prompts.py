@@ -5,18 +5,28 @@ file's `tokenizer.*` keys (the tensors are memory-mapped, never read), for a Hug
 its tokenizer files. `PromptBuilder` turns chat messages or completion prompts into
 `PreparedPrompt`s: the token ids sent upstream and the rendered text (sent along for tiers that
 are OpenAI-compatible HTTP endpoints, and echoed by completions with `echo`).
+
+NOTE (document prompts). A chat request with documents goes upstream in parts, so the engine can
+find each document's cached KV by its content wherever it lands. The conversation is rendered
+with a one-off sentinel in front of the last user message's content and split there: the tokens
+before the sentinel, then each document (inline text tokenized alone, as the catalog tokenizes
+it; or a catalog id) followed by a blank line, then retrieval (separator and trailer a blank
+line), then the tokens from the user's content on. Each side is tokenized alone, so the ids are
+the same whatever the documents are.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from kvmesh.model.tokenizer import Tokenizer
 from kvmesh.services.gateway.errors import invalid
-from kvmesh.services.gateway.spec import ChatTurn
+from kvmesh.services.gateway.spec import ChatTurn, DocumentRef, Retrieval
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +51,66 @@ def load_tokenizer(source: str) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(meta)
 
 
+DOCUMENT_SEPARATOR = "\n\n"
+"""What follows each document (and separates retrieved ones)."""
+
+
+@dataclass(frozen=True)
+class TokensPart:
+    """Plain prompt tokens: chat template, instructions, the question."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InlineDocument:
+    """A document sent as text, tokenized alone."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CatalogDocument:
+    """A document of the KV service's catalog, resolved by the engine."""
+
+    document_id: str
+
+
+@dataclass(frozen=True)
+class RetrievedDocuments:
+    """The `k` catalogued documents nearest to `query`, `separator` between them."""
+
+    query: str
+    k: int
+    separator: tuple[int, ...]
+
+
+PromptPart = Union[TokensPart, InlineDocument, CatalogDocument, RetrievedDocuments]
+
+
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """One prompt ready to send: its token ids and its text (chat template applied)."""
+    """One prompt ready to send: its token ids and its text (chat template applied).
+
+    A document prompt has `parts` instead of `token_ids` (see the module NOTE); its `text` has
+    the inline documents in place (catalogued and retrieved ones are known only to the engine).
+    """
 
     token_ids: tuple[int, ...]
     text: str
+    parts: tuple[PromptPart, ...] = ()
+
+    @property
+    def known_tokens(self) -> int:
+        """The prompt tokens the gateway knows: a document prompt's plain and inline parts."""
+        if not self.parts:
+            return len(self.token_ids)
+        return sum(len(p.ids) for p in self.parts if isinstance(p, (TokensPart, InlineDocument)))
+
+    @property
+    def all_known(self) -> bool:
+        """Every prompt token is known here (no catalogued or retrieved documents)."""
+        return not any(isinstance(p, (CatalogDocument, RetrievedDocuments)) for p in self.parts)
 
 
 class PromptBuilder:
@@ -61,6 +125,48 @@ class PromptBuilder:
 
     async def chat(self, messages: tuple[ChatTurn, ...]) -> PreparedPrompt:
         """The conversation rendered with the model's chat template (generation prompt added)."""
+        text = self._render(messages)
+        # The template writes any BOS itself, so no special tokens are added (as HF does).
+        return PreparedPrompt(tuple(await self._encode(text, special=False)), text)
+
+    async def chat_with_documents(self, messages: tuple[ChatTurn, ...],
+                                  documents: tuple[DocumentRef, ...],
+                                  retrieve: Retrieval | None) -> PreparedPrompt:
+        """The conversation in parts, documents before the last user message's content (see
+        the module NOTE); the request was validated (a user message, well-formed documents)."""
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        if not users:
+            raise invalid("documents need a user message to be placed in", "messages")
+        index = users[-1]
+        user = messages[index]
+        sentinel = f"<kvmesh-documents-{uuid.uuid4().hex}>"
+        marked = list(messages)
+        marked[index] = dataclasses.replace(user, content=sentinel + user.content)
+        rendered = self._render(tuple(marked))
+        if rendered.count(sentinel) != 1:
+            raise invalid("the model's chat template does not render the last user message's "
+                          "content exactly once, so documents cannot be placed in it",
+                          "documents" if documents else "retrieve")
+        before, after = rendered.split(sentinel)
+        separator = tuple(await self._encode(DOCUMENT_SEPARATOR, special=False))
+        parts: list[PromptPart] = [TokensPart(tuple(await self._encode(before, special=False)))]
+        text = [before]
+        for doc in documents:
+            if doc.text is not None:
+                parts.append(InlineDocument(tuple(await self._encode(doc.text, special=False))))
+                text.append(doc.text + DOCUMENT_SEPARATOR)
+            else:
+                parts.append(CatalogDocument(doc.id or ""))
+            parts.append(TokensPart(separator))
+        if retrieve is not None:
+            query = user.content if retrieve.query is None else retrieve.query
+            parts += [RetrievedDocuments(query, retrieve.top_k, separator), TokensPart(separator)]
+        parts.append(TokensPart(tuple(await self._encode(after, special=False))))
+        text.append(after)
+        return PreparedPrompt((), "".join(text),
+                              tuple(p for p in parts if not isinstance(p, TokensPart) or p.ids))
+
+    def _render(self, messages: tuple[ChatTurn, ...]) -> str:
         turns: list[dict[str, Any]] = []
         for m in messages:
             turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
@@ -69,12 +175,10 @@ class PromptBuilder:
                 turn["name"] = m.name
             turns.append(turn)
         try:
-            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
         except ValueError as e:
             raise invalid(f"cannot render the messages with the model's chat template: {e}",
                           "messages") from e
-        # The template writes any BOS itself, so no special tokens are added (as HF does).
-        return PreparedPrompt(tuple(await self._encode(text, special=False)), text)
 
     async def completion(self, prompt: str | tuple[int, ...], index: int) -> PreparedPrompt:
         """A completions prompt: text (tokenized, BOS added when the model wants it) or ids."""

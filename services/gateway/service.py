@@ -31,10 +31,19 @@ from kvmesh.services.gateway import metrics
 from kvmesh.services.gateway.admission import Admission, Rejection, Ticket
 from kvmesh.services.gateway.auth import KeyStore, Tenant
 from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
-from kvmesh.services.gateway.prompts import PreparedPrompt, PromptBuilder
+from kvmesh.services.gateway.prompts import (
+    CatalogDocument,
+    InlineDocument,
+    PreparedPrompt,
+    PromptBuilder,
+    PromptPart,
+    RetrievedDocuments,
+    TokensPart,
+)
 from kvmesh.services.gateway.spec import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChoiceDelta,
+    DocumentUsage,
     EchoedPrompt,
     GenerationRequest,
     Limits,
@@ -78,7 +87,8 @@ class Generation:
         self.request = request
         self.model = model
         self.prompts = prompts
-        self.usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
+        self.usage = Usage(prompt_tokens=sum(p.known_tokens for p in prompts),
+                           documents=DocumentUsage() if request.uses_documents else None)
         self._gateway = gateway
         self._jobs = jobs
         self._ticket = ticket
@@ -110,6 +120,8 @@ class Generation:
                     if isinstance(item, ChoiceFinal):
                         self.usage.add_choice(item.prompt_index, item.completion_tokens,
                                               item.cached_tokens)
+                        if self.usage.documents is not None:
+                            self.usage.add_documents(item.prompt_tokens, item.documents)
                         continue
                     if first_token and (item.token_ids or item.text):
                         first_token = False
@@ -197,13 +209,16 @@ class Gateway:
         """Validate, tokenize, admit and open the upstream streams (see the module docstring)."""
         validate_request(req, self.options.limits)
         model = await self.model(req.model)
-        if req.kind == "chat":
+        if req.uses_documents:
+            prompts = [await self.prompts.chat_with_documents(req.messages, req.documents,
+                                                              req.retrieve)]
+        elif req.kind == "chat":
             prompts = [await self.prompts.chat(req.messages)]
         else:
             prompts = [await self.prompts.completion(p, i) for i, p in enumerate(req.prompts)]
         max_tokens = [self._max_tokens(req, model, p) for p in prompts]
         ticket = self._admit(tenant, len(prompts) * req.n,
-                             sum(len(p.token_ids) for p in prompts) * req.n)
+                             sum(p.known_tokens for p in prompts) * req.n)
         generation_id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         jobs = [self._job(req, tenant, prompt, index=p_index * req.n + j, prompt_index=p_index,
                           copy=j, max_tokens=max_tokens[p_index],
@@ -214,11 +229,16 @@ class Gateway:
                           arrival=arrival)
 
     def _max_tokens(self, req: GenerationRequest, model: ModelEntry, prompt: PreparedPrompt) -> int:
-        """max_tokens to send (0 = the engine's default); 400 when the prompt leaves no room."""
-        used, limit = len(prompt.token_ids), model.max_model_len
+        """max_tokens to send (0 = the engine's default); 400 when the prompt leaves no room.
+
+        A prompt with catalogued or retrieved documents is longer than the tokens known here:
+        the rest of the context is unknown, so the engine's default applies, and the engine
+        checks the whole length.
+        """
+        used, limit = prompt.known_tokens, model.max_model_len
         asked = req.sampling.max_tokens
         if asked is None:
-            if not limit:  # the router reports no context length: the engine decides
+            if not limit or not prompt.all_known:  # the engine decides
                 return DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else 0
             room = limit - used
             asked = max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room) if req.kind == "completion"
@@ -283,9 +303,26 @@ class Gateway:
                 placeholders = tuple(TokenLogprob(t, self.prompts.token_text(t), None)
                                      for t in prompt.token_ids)
             echo = EchoedPrompt(prompt.text, prompt.token_ids, placeholders)
-        request = router_pb2.RouteRequest(
-            request=engine_pb2.GenerateRequest(
-                request_id=request_id, token_ids=engine_pb2.TokenIds(ids=list(prompt.token_ids)),
-                sampling=sampling, cache_salt=tenant.cache_salt),
-            model=req.model, tenant=tenant.name, prompt_text=prompt.text)
+        upstream = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
+                                              cache_salt=tenant.cache_salt)
+        if prompt.parts:
+            upstream.parts.parts.extend(_part_proto(p) for p in prompt.parts)
+            if req.recompute_ratio is not None:
+                upstream.blend.recompute_ratio = req.recompute_ratio
+        else:
+            upstream.token_ids.CopyFrom(engine_pb2.TokenIds(ids=prompt.token_ids))
+        request = router_pb2.RouteRequest(request=upstream, model=req.model, tenant=tenant.name,
+                                          prompt_text=prompt.text)
         return ChoiceJob(index, prompt_index, request, echo)
+
+
+def _part_proto(part: PromptPart) -> engine_pb2.PromptPart:
+    if isinstance(part, TokensPart):
+        return engine_pb2.PromptPart(tokens=engine_pb2.TokenIds(ids=part.ids))
+    if isinstance(part, InlineDocument):
+        return engine_pb2.PromptPart(document=engine_pb2.TokenIds(ids=part.ids))
+    if isinstance(part, CatalogDocument):
+        return engine_pb2.PromptPart(document_id=part.document_id)
+    assert isinstance(part, RetrievedDocuments)
+    return engine_pb2.PromptPart(retrieve=engine_pb2.Retrieve(
+        query=part.query, k=part.k, separator=engine_pb2.TokenIds(ids=part.separator)))

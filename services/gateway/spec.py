@@ -19,6 +19,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**64 - 1
+MAX_RETRIEVE_TOP_K = 16  # the engine's (and the KV service's) bound on Retrieve.k
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -48,12 +49,31 @@ class ChatTurn:
 
 
 @dataclass(frozen=True)
+class DocumentRef:
+    """One document of a chat request: a catalog id or inline text (exactly one is set)."""
+
+    id: str | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """Documents to retrieve from the catalog: the `top_k` nearest to `query` (None: the last
+    user message's text)."""
+
+    top_k: int
+    query: str | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A validated-shape request from either front end.
 
     Completions carry `prompts` (text or token ids, one choice group each); chat carries
     `messages`. `echo` (completions only) prepends the prompt to each choice, with the prompt's
-    log-probabilities when `sampling.logprobs` is set.
+    log-probabilities when `sampling.logprobs` is set. `documents`, `retrieve` and
+    `recompute_ratio` (chat only, kvmesh extensions) mark documents placed before the last user
+    message's content, so that the engine can reuse their cached KV.
     """
 
     kind: Kind
@@ -64,6 +84,14 @@ class GenerationRequest:
     n: int = 1
     echo: bool = False
     user: str = ""
+    documents: tuple[DocumentRef, ...] = ()
+    retrieve: Retrieval | None = None
+    recompute_ratio: float | None = None
+
+    @property
+    def uses_documents(self) -> bool:
+        """The prompt goes upstream in parts that mark documents."""
+        return bool(self.documents) or self.retrieve is not None
 
 
 @dataclass(frozen=True)
@@ -111,6 +139,50 @@ def validate_request(req: GenerationRequest, limits: Limits) -> None:
             raise invalid(f"{param} must be in 0..{top}, got {s.logprobs}", param)
     if req.echo and req.kind != "completion":
         raise invalid("echo is only supported by completions", "echo")
+    _validate_documents(req)
+
+
+def _validate_documents(req: GenerationRequest) -> None:
+    if req.recompute_ratio is not None:
+        r = req.recompute_ratio
+        if not req.uses_documents:
+            raise invalid("recompute_ratio needs documents or retrieve: it sets how much of the "
+                          "documents' reused KV is recomputed", "recompute_ratio")
+        if math.isnan(r) or not 0.0 <= r <= 1.0:
+            raise invalid(f"recompute_ratio must be in [0, 1], got {r}", "recompute_ratio")
+    if not req.uses_documents:
+        return
+    param = "documents" if req.documents else "retrieve"
+    if req.kind != "chat":
+        raise invalid(f"{param} is only supported by chat completions", param)
+    user = last_user_message(req.messages)
+    if user is None:
+        raise invalid(f"{param} needs a user message: documents are placed before the last "
+                      "user message's content", "messages")
+    for i, doc in enumerate(req.documents):
+        if (doc.id is None) == (doc.text is None):
+            raise invalid(f"documents[{i}] must have exactly one of 'id' (a catalogued document) "
+                          "or 'text' (an inline document)", f"documents[{i}]")
+        name, value = ("id", doc.id) if doc.id is not None else ("text", doc.text)
+        if not value:
+            raise invalid(f"documents[{i}].{name} is empty", f"documents[{i}].{name}")
+    if req.retrieve is not None:
+        k = req.retrieve.top_k
+        if not 1 <= k <= MAX_RETRIEVE_TOP_K:
+            raise invalid(f"retrieve.top_k must be in 1..{MAX_RETRIEVE_TOP_K}, got {k}",
+                          "retrieve.top_k")
+        query = req.retrieve.query
+        if query is not None and not query.strip():
+            raise invalid("retrieve.query is empty; send the text to search for, or leave it "
+                          "out to search for the last user message", "retrieve.query")
+        if query is None and not user.content.strip():
+            raise invalid("retrieve.query is needed: the last user message has no text to "
+                          "search for", "retrieve.query")
+
+
+def last_user_message(messages: tuple[ChatTurn, ...]) -> ChatTurn | None:
+    """The last message with role user (documents go before its content)."""
+    return next((m for m in reversed(messages) if m.role == "user"), None)
 
 
 def _validate_stop(stop: tuple[str, ...]) -> None:
@@ -171,6 +243,15 @@ class ChoiceDelta:
     """True on the choice's first delta (chat sends the role there)."""
 
 
+@dataclass(frozen=True)
+class DocumentUsage:
+    """How a request's documents were used, as the engine reported it."""
+
+    document_ids: tuple[str, ...] = ()
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
 @dataclass
 class Usage:
     """Token accounting of a whole request: each prompt counted once, whatever n is; its cached
@@ -178,12 +259,27 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    documents: DocumentUsage | None = None
+    """Requests with documents: the report of the copy that reused the most (None otherwise)."""
     _cached: dict[int, int] = field(default_factory=dict, repr=False)
+    _documents_reported: bool = field(default=False, repr=False)
 
     def add_choice(self, prompt_index: int, completion_tokens: int, cached_tokens: int) -> None:
         """Account one finished choice of prompt `prompt_index`."""
         self.completion_tokens += completion_tokens
         self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), cached_tokens)
+
+    def add_documents(self, prompt_tokens: int, report: DocumentUsage) -> None:
+        """Account one finished choice of a document prompt (chat: the only prompt).
+
+        The gateway knows only the prompt's plain and inline parts; the engine counted the
+        catalogued and retrieved documents too, so its count replaces the gateway's.
+        """
+        self.prompt_tokens = max(self.prompt_tokens, prompt_tokens)
+        if (not self._documents_reported or self.documents is None
+                or report.blended_tokens > self.documents.blended_tokens):
+            self.documents = report
+        self._documents_reported = True
 
     @property
     def cached_tokens(self) -> int:

@@ -26,6 +26,7 @@ from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.services.gateway.errors import ApiError
 from kvmesh.services.gateway.spec import (
     ChoiceDelta,
+    DocumentUsage,
     EchoedPrompt,
     TokenLogprob,
     TopLogprob,
@@ -136,6 +137,8 @@ class ChoiceFinal:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    documents: DocumentUsage = DocumentUsage()
+    """What the engine reported about the prompt's documents (empty for plain prompts)."""
 
 
 async def run_choice(router: RouterClient, job: ChoiceJob
@@ -168,9 +171,11 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                                    "the engine aborted the request (it may be draining); retry",
                                    retry_after=router.retry_after_s)
                 finish = _FINISH[out.final.finish_reason]
-                u = out.final.usage
+                u, f = out.final.usage, out.final
                 final = ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
-                                    u.cached_prompt_tokens)
+                                    u.cached_prompt_tokens,
+                                    DocumentUsage(tuple(f.document_ids), f.blended_tokens,
+                                                  f.recomputed_tokens))
             if first or out.text or out.token_ids or finish:
                 yield ChoiceDelta(job.index, out.text, tuple(out.token_ids),
                                   _logprobs(out.logprobs), finish, echo, first)

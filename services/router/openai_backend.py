@@ -4,7 +4,9 @@
 Such endpoints take text, so the request's `prompt_text` (or its text prompt) is sent; the
 messages carry text and log-probabilities but no token ids (TokenLogprob.token_id is 0, `text`
 names the token). Usage comes from the stream's usage chunk (`stream_options.include_usage`);
-an endpoint that sends none is counted one completion token per streamed chunk.
+an endpoint that sends none is counted one completion token per streamed chunk. A prompt in
+parts is sent as its `prompt_text` too (inline documents in place); one with catalogued or
+retrieved documents is refused (INVALID_ARGUMENT): only a kvmesh engine can resolve those.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvmesh.engine.v1 import engine_pb2
 from kvmesh.rpc.client import call_timeout
 from kvmesh.services.router.backends import BackendError, ModelInfo
 from kvmesh.services.router.placement import Load
+from kvmesh.services.router.prompts import catalog_parts
 from kvmesh.services.router.topology import Replica
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -87,6 +90,13 @@ class OpenAIBackend:
 
     async def generate(self, request: engine_pb2.GenerateRequest, prompt_text: str,
                        timeout: float) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        needs_catalog = catalog_parts(request)
+        if needs_catalog:
+            raise self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"an OpenAI-compatible endpoint cannot resolve "
+                             f"{' or '.join(needs_catalog)} prompt parts (documents of the KV "
+                             "service's catalog); send the documents inline as text, or use a "
+                             "model served by kvmesh engines")
         prompt = prompt_text or (request.text if request.WhichOneof("prompt") == "text" else "")
         if not prompt:
             raise self._fail(grpc.StatusCode.INVALID_ARGUMENT,

@@ -12,6 +12,7 @@ probe answered UNAVAILABLE marks its replica down (it would fail the request too
 (DEADLINE_EXCEEDED) only leaves the replica unprobed, ranked after the probed ones: an engine
 answers a probe between two steps, so a slow answer means busy, not gone. With one healthy
 replica there is nothing to choose and no probe is sent (it would cost up to a step of latency).
+A prompt in parts is probed with its leading plain tokens only (`prompts.probe_ids`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.services.router import metrics
 from kvmesh.services.router.backends import Backend, BackendError, ModelInfo
 from kvmesh.services.router.placement import Candidate, Choice, Load, TierState, rank
+from kvmesh.services.router.prompts import probe_ids, prompt_tokens
 from kvmesh.services.router.topology import Tier
 
 
@@ -96,7 +98,7 @@ class TierPool:
         """Rank this tier's healthy replicas for `request` (see the module NOTE)."""
         healthy = self._healthy()
         cursor = self.state.next_cursor()
-        ids = request.token_ids.ids if request.WhichOneof("prompt") == "token_ids" else None
+        ids = probe_ids(request)
         probes: dict[str, Load | None] = {}
         if self.knobs.policy == "kv_aware" and ids is not None and len(healthy) > 1:
             started = time.perf_counter()
@@ -106,7 +108,7 @@ class TierPool:
             probes = dict(zip(healthy, answers))
             healthy = self._healthy()
         candidates = [Candidate(r, self.state.in_flight[r], probes.get(r)) for r in healthy]
-        return rank(self.knobs.policy, candidates, prompt_tokens=len(ids or ()),
+        return rank(self.knobs.policy, candidates, prompt_tokens=prompt_tokens(request),
                     load_weight=self.knobs.load_weight, cursor=cursor)
 
     @contextlib.asynccontextmanager

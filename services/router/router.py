@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,13 +19,10 @@ from kvmesh.router.v1 import router_pb2
 from kvmesh.services.router import cascade, metrics
 from kvmesh.services.router.backends import BackendError
 from kvmesh.services.router.pool import Opened, TierPool, new_request_id
+from kvmesh.services.router.prompts import prompt_tokens
 from kvmesh.services.router.topology import Cascade, Topology
 
 log = logging.getLogger(__name__)
-
-CHARS_PER_TOKEN = 4
-"""Prompt length estimate for text prompts (difficulty routing only)."""
-
 
 @dataclass(frozen=True)
 class CascadeKnobs:
@@ -35,14 +31,6 @@ class CascadeKnobs:
     signal: str = "mean_logprob"
     threshold: float = -0.5
     difficulty_prompt_tokens: int = 0
-
-
-def prompt_tokens(request: engine_pb2.GenerateRequest, prompt_text: str) -> int:
-    """The prompt's length in tokens (estimated from characters for text prompts)."""
-    if request.WhichOneof("prompt") == "token_ids":
-        return len(request.token_ids.ids)
-    text = request.text if request.WhichOneof("prompt") == "text" else prompt_text
-    return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
 def token_scores(messages: Sequence[engine_pb2.GenerateResponse]) -> list[cascade.TokenScore]:
@@ -96,7 +84,8 @@ class Router:
         request = engine_pb2.GenerateRequest()
         request.CopyFrom(req.request)
         if request.WhichOneof("prompt") is None and not req.prompt_text:
-            raise InvalidArgument("RouteRequest.request needs a prompt: set token_ids or text")
+            raise InvalidArgument("RouteRequest.request needs a prompt: set token_ids, parts "
+                                  "or text")
         if not request.request_id:
             request.request_id = new_request_id()
         trace.get_current_span().set_attributes(
