@@ -12,6 +12,7 @@ BENCHES: dict[str, str] = {
     "routing": "kvmesh.loadtest.routing_bench",
     "cascade": "kvmesh.loadtest.cascade_bench",
     "spec": "kvmesh.loadtest.spec_bench",
+    "blend": "kvmesh.loadtest.blend_bench",
 }
 
 

@@ -224,3 +224,43 @@ def segment_kv(model, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Ten
     (float32, un-rotated), v in the model dtype, both [layers, n, kv_heads, head_dim]."""
     res = blend_prefill(model, [Segment.new(token_ids)], recompute_ratio=1.0)
     return unrotate_keys(res.k, 0, model.rotary), res.v
+
+
+@torch.inference_mode()
+def continuation_logprobs(model, k: torch.Tensor, v: torch.Tensor, last_logits: torch.Tensor,
+                          token_ids: Sequence[int]) -> torch.Tensor:
+    """Log-probabilities [n] float32 of `token_ids` continuing a prompt whose KV is k, v
+    ``[layers, T, kv_heads, head_dim]`` (keys rotated to 0..T-1, as BlendResult holds them) and
+    whose last position gave `last_logits` [vocab]: how well a (blended or full) prefill predicts
+    a reference answer. The continuation attends to that KV and to itself, causally."""
+    if not token_ids:
+        raise ValueError("continuation_logprobs needs at least one token")
+    device, dtype = model.device, model.dtype
+    targets = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    out = [torch.log_softmax(last_logits.float(), dim=-1)[targets[0]].reshape(1)]
+    n, T = targets.numel(), k.shape[1]
+    if n > 1:
+        positions = torch.arange(T, T + n - 1, device=device)
+        h = model.model.embed_tokens(targets[:-1])
+        cos, sin = model.rotary(positions, dtype)
+        mask = torch.arange(T + n - 1, device=device)[None, :] <= positions[:, None]  # [n-1, T+n-1]
+        for l, layer in enumerate(model.model.layers):
+            q, kk, vv = _qkv(layer, h, cos, sin)
+            keys = torch.cat([k[l].to(device, dtype), kk])
+            values = torch.cat([v[l].to(device, dtype), vv])
+            h = _finish(layer, h, _attend(layer, q, keys, values, mask))
+        logits = model.compute_logits(model.model.norm(h))
+        out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[1:, None])[:, 0])
+    return torch.cat(out).float().cpu()
+
+
+@torch.inference_mode()
+def hidden_states(model, token_ids: Sequence[int]) -> torch.Tensor:
+    """The final-norm hidden states [T, hidden] of `token_ids` computed alone (dense, causal)."""
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
+    h = model.model.embed_tokens(ids)
+    cos, sin = model.rotary(torch.arange(ids.numel(), device=model.device), model.dtype)
+    for layer in model.model.layers:
+        q, k, v = _qkv(layer, h, cos, sin)
+        h = _finish(layer, h, _attend(layer, q, k, v, None))
+    return model.model.norm(h)

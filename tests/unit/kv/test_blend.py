@@ -146,3 +146,22 @@ def test_bad_input_says_how_to_fix(model):
         blend_prefill(model, [Segment.new([]), Segment.new(ids)])
     with pytest.raises(ValueError, match="at least one segment"):
         blend_prefill(model, [])
+
+
+def test_continuation_logprobs_equal_a_full_forward(model):
+    """Scoring an answer over a prefill's KV gives the log-probs a dense forward of prompt +
+    answer gives; hidden_states are the dense forward's final-norm states."""
+    from kvmesh.kv.blend import continuation_logprobs, hidden_states
+
+    prompt, answer = _ids(5, 40), _ids(6, 9)
+    full = blend_prefill(model, [Segment.new(prompt)], recompute_ratio=1.0)
+    got = continuation_logprobs(model, full.k, full.v, full.logits, answer)
+    with torch.inference_mode():
+        logits = model.forward_dense(torch.tensor([prompt + answer]))[0]
+    want = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).gather(1, torch.tensor(answer)[:, None])[:, 0]
+    assert got.shape == (len(answer),)
+    assert torch.allclose(got, want, atol=1e-4)
+    h = hidden_states(model, prompt)
+    assert torch.allclose(model.compute_logits(h), logits[:len(prompt)], atol=1e-4)
+    with pytest.raises(ValueError, match="at least one token"):
+        continuation_logprobs(model, full.k, full.v, full.logits, [])

@@ -56,3 +56,18 @@ def test_bad_input_is_rejected_with_a_message():
         prefix_keys([1, 2], 1, b"short")
     with pytest.raises(ValueError, match="token ids"):
         prefix_keys([-1], 1, NS)
+
+
+def test_document_chunks_align_to_the_document_not_the_prompt():
+    from kvmesh.kv.keys import content_key, document_chunks
+
+    ns = b"n" * 16
+    doc = list(range(100, 170))  # 70 tokens: chunks of 32, 32 and 6
+    chunks = document_chunks(doc, 32, ns)
+    assert [(a, b) for a, b, _ in chunks] == [(0, 32), (32, 64), (64, 70)]
+    assert chunks[2][2] == content_key(doc[64:], ns)  # the short tail has a key too
+    assert document_chunks([7] * 5 + doc, 32, ns)[0][2] != chunks[0][2]  # other text, other keys
+    assert document_chunks(doc, 32, b"m" * 16)[0][2] != chunks[0][2]
+    assert document_chunks([], 32, ns) == []
+    with pytest.raises(ValueError):
+        document_chunks(doc, 0, ns)
