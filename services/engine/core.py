@@ -5,6 +5,7 @@ manager are plain Python, the runner is the only part that touches tensors.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +29,8 @@ from kvmesh.services.engine.sequence import Sequence
 from kvmesh.services.engine.spec_gate import SpecGate
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage, Verdict, verify_batch
 from kvmesh.services.engine.stop import StopStringMatcher, check_stop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -333,12 +336,15 @@ class EngineCore:
         if state is None or state.blend is None:
             return
         plan, state.blend = state.blend, None
+        t0 = time.perf_counter()
         res = blend_prefill(self.loaded.model, plan.segments, plan.recompute_ratio, self.blend_config.select_layers)
         n = (seq.num_prompt_tokens - 1) // self.runner.block_size * self.runner.block_size
         if n:
             seq.external_kv, seq.external_start, seq.external_tokens = (res.k[:, :n], res.v[:, :n]), 0, n
         recomputed = int((~res.deviation.isnan())[res.recomputed].sum())
         state.documents = DocumentUsage(plan.cached_tokens, recomputed, state.documents.document_ids)
+        log.info("blended %d cached of %d prompt tokens (%d recomputed) in %.0f ms", plan.cached_tokens,
+                 seq.num_prompt_tokens, recomputed, 1e3 * (time.perf_counter() - t0))
 
     def _gate_step(self) -> tuple[int, bool] | None:
         """(batch, whether ADAPTIVE requests may draft) for a pure decode step that has ADAPTIVE

@@ -26,6 +26,8 @@ NOTE (how a prompt with documents is served).
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -34,6 +36,8 @@ import torch
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.kv.blend import Segment
 from kvmesh.kv.keys import document_chunks
+
+log = logging.getLogger(__name__)
 
 MAX_RETRIEVE = 16
 
@@ -157,6 +161,7 @@ async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: fl
                          ) -> tuple[BlendPlan | None, DocumentExports]:
     """Looks up and fetches every document chunk; a BlendPlan when any is cached (and ratio < 1:
     ratio 1 is a full prefill), and the chunks to store afterwards."""
+    t0 = time.perf_counter()
     chunk = kv.config.chunk_tokens
     where: list[tuple[bytes, int, int]] = []  # key, prompt start, end
     for span in prompt.documents:
@@ -174,6 +179,8 @@ async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: fl
                                                 for i in wanted])
         fetched = {i: kv_ for i, kv_ in zip(wanted, got) if kv_ is not None}
     exports.chunks = [w for i, w in enumerate(where) if not present[i]]
+    log.info("documents: %d of %d chunks cached, %d fetched in %.0f ms", sum(present), len(where), len(fetched),
+             1e3 * (time.perf_counter() - t0))
     if not fetched:
         return None, exports
     segments: list[Segment] = []

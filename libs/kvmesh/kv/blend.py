@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kv.rope import rotate_keys, unrotate_keys
+from kvmesh.model.attention import _fold_groups, _unfold_groups
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,19 +120,51 @@ def _finish(layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def _attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q: [A, heads, hd] over k, v: [T, kv_heads, hd] -> [A, heads, hd]. mask: [A, T] bool (True =
-    attend), or None when the queries are all T tokens (plain causal, as forward_dense)."""
-    g = q.shape[1] // k.shape[1]
-    qt = q.transpose(0, 1)[None]  # [1, heads, A, hd]
-    kt = k.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, T, hd], HF repeat_kv order
-    vt = v.transpose(0, 1).repeat_interleave(g, dim=0)[None]
+def _attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_QueryGroup] | None) -> torch.Tensor:
+    """q: [A, heads, hd] over k, v: [T, kv_heads, hd] -> [A, heads, hd]. groups None: the queries
+    are all T tokens (plain causal, as forward_dense); else the queries' groups (_query_groups)."""
     scale = layer.self_attn.scale
-    if mask is None:
+    if groups is None:
+        g = q.shape[1] // k.shape[1]
+        qt = q.transpose(0, 1)[None]  # [1, heads, A, hd]
+        kt = k.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, T, hd], HF repeat_kv order
+        vt = v.transpose(0, 1).repeat_interleave(g, dim=0)[None]
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1)
+    kvh = k.shape[1]
+    kt, vt = k.transpose(0, 1).contiguous()[None], v.transpose(0, 1).contiguous()[None]  # [1, kvh, T, hd]
+    out = []
+    for grp in groups:
+        # Query heads sharing a KV head become extra query rows of it (no repeated keys); 4-D
+        # contiguous operands (the CPU kernel is ~3x slower on strided 3-D views).
+        qf = _fold_groups(q[grp.start:grp.end], kvh).contiguous()[None]  # [1, kvh, g*n, hd]
+        o = F.scaled_dot_product_attention(qf, kt[:, :, :grp.keys], vt[:, :, :grp.keys], attn_mask=grp.mask,
+                                           scale=scale)
+        out.append(_unfold_groups(o[0], grp.end - grp.start))
+    return torch.cat(out)
+
+
+@dataclass(frozen=True, eq=False)
+class _QueryGroup:
+    start: int  # rows start..end-1 of the recomputed tokens
+    end: int
+    keys: int  # they see keys 0..keys-1 (the last one's position + 1)
+    mask: torch.Tensor  # [g*(end-start), keys] bool, rows group-major as _fold_groups orders them
+
+
+def _query_groups(active: torch.Tensor, groups_per_kv: int, max_groups: int = 8, min_rows: int = 32) -> list[_QueryGroup]:
+    """Splits the recomputed tokens (ascending positions) into runs that attend only to the keys
+    up to their last position: with a causal mask most later keys are masked, and the attention
+    kernel does not skip masked keys by itself (8 runs: ~45% less attention work)."""
+    n = active.numel()
+    count = max(1, min(max_groups, n // min_rows))
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        keys = int(active[b - 1]) + 1
+        mask = torch.arange(keys, device=active.device)[None, :] <= active[a:b, None]  # [b-a, keys]
+        out.append(_QueryGroup(a, b, keys, mask.repeat(groups_per_kv, 1)))
+    return out
 
 
 def _deviation(k: torch.Tensor, v: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor,
@@ -193,7 +226,7 @@ def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0
     deviation = torch.zeros(T, dtype=torch.float32, device=device)
     probe: list[tuple[torch.Tensor, torch.Tensor]] = []  # layers < s: fresh (k, v) of every token
     active: torch.Tensor | None = None  # [R] after selection; None while every token runs
-    mask: torch.Tensor | None = None  # [R, T] causal by position, None when R is every token
+    groups: list[_QueryGroup] | None = None  # the recomputed tokens' attention, None when R is every token
     for l, layer in enumerate(layers):
         q, k, v = _qkv(layer, h, cos, sin)  # [A, heads|kvh, hd]
         if active is None:
@@ -210,10 +243,10 @@ def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0
             if active.numel() < T:
                 h, q, k, v = h[active], q[active], k[active], v[active]
                 cos, sin = cos[active], sin[active]
-                mask = positions[None, :] <= active[:, None]
+                groups = _query_groups(active, cfg.num_heads // cfg.num_kv_heads)
         out_k[l].index_copy_(0, active, k)
         out_v[l].index_copy_(0, active, v)
-        h = _finish(layer, h, _attend(layer, q, out_k[l], out_v[l], mask))
+        h = _finish(layer, h, _attend(layer, q, out_k[l], out_v[l], groups))
     logits = model.compute_logits(model.model.norm(h[-1:]))[0]  # the last prompt token is always in R
     return BlendResult(out_k, out_v, logits, active, deviation.masked_fill(~cached, float("nan")))
 
@@ -243,12 +276,12 @@ def continuation_logprobs(model, k: torch.Tensor, v: torch.Tensor, last_logits: 
         positions = torch.arange(T, T + n - 1, device=device)
         h = model.model.embed_tokens(targets[:-1])
         cos, sin = model.rotary(positions, dtype)
-        mask = torch.arange(T + n - 1, device=device)[None, :] <= positions[:, None]  # [n-1, T+n-1]
+        groups = _query_groups(positions, model.config.num_heads // model.config.num_kv_heads)
         for l, layer in enumerate(model.model.layers):
             q, kk, vv = _qkv(layer, h, cos, sin)
             keys = torch.cat([k[l].to(device, dtype), kk])
             values = torch.cat([v[l].to(device, dtype), vv])
-            h = _finish(layer, h, _attend(layer, q, keys, values, mask))
+            h = _finish(layer, h, _attend(layer, q, keys, values, groups))
         logits = model.compute_logits(model.model.norm(h))
         out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[1:, None])[:, 0])
     return torch.cat(out).float().cpu()
