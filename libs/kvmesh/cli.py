@@ -93,6 +93,78 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stack_address(name: str, flag: str | None) -> str:
+    from kvmesh import launcher
+
+    if flag:
+        return flag
+    for p in launcher.load_state():
+        if p.name == name or (name == "engine" and p.name == "engine-0"):
+            return p.address
+    raise SystemExit(f"kvmesh docs: no {name} in the local stack ('kvmesh up' starts it); or pass --{name}")
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    """The document catalog: ingest through the engine (it computes the KV), the rest in the KV
+    service, in the namespace of the engine's model and the given tenant salt."""
+    import grpc
+
+    from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+    from kvmesh.kv.keys import make_namespace
+    from kvmesh.kvcache.v1 import kvcache_pb2 as kpb
+    from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+
+    with grpc.insecure_channel(_stack_address("engine", args.engine)) as ech:
+        engine = engine_pb2_grpc.EngineServiceStub(ech)
+        try:
+            if args.action == "add":
+                text = sys.stdin.read() if args.path == "-" else open(args.path, encoding="utf-8").read()
+                meta = dict(kv.split("=", 1) for kv in args.meta)
+                req = engine_pb2.IngestDocumentRequest(document_id=args.id, text=text, metadata=meta,
+                                                       cache_salt=args.salt, pinned=args.pin)
+                if args.ttl_s is not None:
+                    req.ttl_s = args.ttl_s
+                r = engine.IngestDocument(req, timeout=args.timeout)
+                print(f"{args.id}: {r.tokens} tokens, {r.chunks} chunks ({r.reused_chunks} already stored)")
+                return 0
+            info = engine.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"kvmesh docs {args.action}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    ns = make_namespace(info.kv_identity, info.kv_layout, args.salt)
+    with grpc.insecure_channel(_stack_address("kvcache", args.kvcache)) as kch:
+        kv = kvcache_pb2_grpc.KvcacheServiceStub(kch)
+        try:
+            if args.action == "list":
+                token = ""
+                while True:
+                    page = kv.ListDocuments(kpb.ListDocumentsRequest(namespace=ns, page_size=100, page_token=token),
+                                            timeout=args.timeout)
+                    for d in page.documents:
+                        meta = " ".join(f"{k}={v}" for k, v in sorted(d.metadata.items()))
+                        print(f"{d.document_id}\t{len(d.chunk_keys)} chunks\t{'pinned' if d.pinned else ''}\t{meta}")
+                    token = page.next_page_token
+                    if not token:
+                        return 0
+            if args.action == "search":
+                resp = kv.Search(kpb.SearchRequest(text=args.query, namespace=ns, kind=kpb.INDEX_KIND_DOCUMENT,
+                                                   k=args.k), timeout=args.timeout)
+                for h in resp.hits:
+                    print(f"{h.score:.3f}\t{h.document_id}")
+                return 0
+            if args.action == "rm":
+                r = kv.DeleteDocument(kpb.DeleteDocumentRequest(namespace=ns, document_id=args.id), timeout=args.timeout)
+                print(f"{args.id}: deleted ({r.deleted_chunks} chunks no other document used)")
+                return 0
+            kv.PinDocument(kpb.PinDocumentRequest(namespace=ns, document_id=args.id, pinned=not args.off),
+                           timeout=args.timeout)
+            print(f"{args.id}: {'unpinned' if args.off else 'pinned'}")
+            return 0
+        except grpc.RpcError as err:
+            print(f"kvmesh docs {args.action}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvmesh.loadtest.registry import run_bench
 
@@ -133,8 +205,34 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     chat.set_defaults(fn=_cmd_chat)
 
+    docs = sub.add_parser("docs", help="the document catalog: add (KV computed by the engine), list, search, rm, pin")
+    dsub = docs.add_subparsers(dest="action", required=True)
+    add = dsub.add_parser("add", help="ingest a text file (or - for stdin) as document ID")
+    add.add_argument("id")
+    add.add_argument("path")
+    add.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE", help="metadata (repeatable)")
+    add.add_argument("--ttl-s", type=float, help="expire after this many seconds")
+    add.add_argument("--pin", action="store_true", help="never evicted")
+    dsub.add_parser("list", help="catalogued documents")
+    search = dsub.add_parser("search", help="nearest documents to a query (semantic index)")
+    search.add_argument("query")
+    search.add_argument("-k", type=int, default=5)
+    rm = dsub.add_parser("rm", help="delete a document (and chunks no other document uses)")
+    rm.add_argument("id")
+    pin = dsub.add_parser("pin", help="pin a document (--off: unpin)")
+    pin.add_argument("id")
+    pin.add_argument("--off", action="store_true")
+    for sp in dsub.choices.values():
+        sp.add_argument("--salt", default="tenant:default",
+                        help="the tenant's cache salt as the gateway sets it: tenant:NAME, or ns:NAMESPACE for "
+                             "tenants sharing a namespace (default: the open local gateway's tenant)")
+        sp.add_argument("--engine", help="engine host:port (default: the local stack's)")
+        sp.add_argument("--kvcache", help="KV-cache host:port (default: the local stack's)")
+        sp.add_argument("--timeout", type=float, default=300.0)
+    docs.set_defaults(fn=_cmd_docs)
+
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
     bench.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     bench.set_defaults(fn=_cmd_bench)

@@ -46,6 +46,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from kvmesh.kv.blend import BlendPrefill
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import document_chunks
 from kvmesh.kvcache.v1 import kvcache_pb2
@@ -135,7 +136,8 @@ class AsyncEngine:
                 self.core.validate(prompt_token_ids, params)
                 if kv is not None and resolved.documents:
                     ratio = self.core.blend_config.recompute_ratio if recompute_ratio is None else recompute_ratio
-                    blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0)
+                    blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0,
+                                                              self._start_probe)
             if kv is not None and blend is None and not ingest:  # blended KV is not a prefix's
                 local = self.core.cached_prefix_tokens(prompt_token_ids, cache_salt) if fetch else 0
                 plan = await kv.prepare(list(prompt_token_ids), cache_salt, spec, local, fetch=fetch)
@@ -207,6 +209,13 @@ class AsyncEngine:
             chunk_keys=[key for _, _, key in chunks], ttl_s=ttl, pinned=pinned))
         return len(token_ids), len(chunks), len(chunks) - len(missing)
 
+    def _start_probe(self, token_ids: list[int]) -> BlendPrefill:
+        """A blend whose first stage the step loop runs at its next boundary (while the
+        documents' KV is still being fetched here)."""
+        job = BlendPrefill(self.core.loaded.model, token_ids, self.core.blend_config.select_layers)
+        self._post("blend-probe", job)
+        return job
+
     def probe(self, prompt_token_ids: list[int], cache_salt: bytes = b"") -> ProbeResult:
         """The prompt's reusable cached prefix and the engine's load, without waiting for the
         step in flight (see the NOTE); Unavailable while draining: place requests elsewhere."""
@@ -266,9 +275,12 @@ class AsyncEngine:
     def _apply_inbox(self) -> None:
         """Applies every posted add and abort, then publishes the load, all under the inbox lock
         (adds and aborts are cheap): a probe sees each add either in the inbox or in the load."""
+        blend_probes: list[BlendPrefill] = []
         with self._cond:
             for kind, payload in self._inbox:
-                if kind == "add":
+                if kind == "blend-probe":
+                    blend_probes.append(payload)  # type: ignore[arg-type]
+                elif kind == "add":
                     req: EngineRequest = payload  # type: ignore[assignment]
                     try:
                         self.core.add_request(req)
@@ -280,6 +292,11 @@ class AsyncEngine:
                         self._deliver(out, out.request_id)
             self._inbox.clear()
             self._load = self.core.load()
+        for job in blend_probes:  # outside the lock: a probe is a layer over the whole prompt
+            try:
+                job.probe()
+            except Exception:  # noqa: BLE001 - finish() probes again and reports the error there
+                log.exception("blend probe failed")
 
     def _run(self, build: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
         try:

@@ -107,7 +107,8 @@ def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoRe
         dtype=cfg.dtype, weights=cfg.weight_format, block_size=core.runner.block_size,
         num_blocks=core.runner.num_blocks, eos_token_ids=list(mc.eos_token_ids),
         device=str(core.runner.device), num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        kv_identity=core.loaded.identity, kv_layout=kv_layout(core.loaded).describe())
 
 
 def build_async_engine(cfg: EngineConfig) -> AsyncEngine:

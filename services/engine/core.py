@@ -337,7 +337,11 @@ class EngineCore:
             return
         plan, state.blend = state.blend, None
         t0 = time.perf_counter()
-        res = blend_prefill(self.loaded.model, plan.segments, plan.recompute_ratio, self.blend_config.select_layers)
+        if plan.job is not None:  # its probe stage ran while the KV was being fetched
+            res = plan.job.finish(plan.segments, plan.recompute_ratio)
+        else:
+            res = blend_prefill(self.loaded.model, plan.segments, plan.recompute_ratio,
+                                self.blend_config.select_layers)
         n = (seq.num_prompt_tokens - 1) // self.runner.block_size * self.runner.block_size
         if n:
             seq.external_kv, seq.external_start, seq.external_tokens = (res.k[:, :n], res.v[:, :n]), 0, n

@@ -145,6 +145,8 @@ class BlendPlan:
     recompute_ratio: float
     cached_tokens: int
     """Prompt tokens whose KV comes from cached document chunks."""
+    job: object | None = None
+    """A kvmesh.kv.blend.BlendPrefill whose probe stage ran (or runs) while the KV was fetched."""
 
 
 @dataclass
@@ -157,10 +159,13 @@ class DocumentExports:
     """Called once every chunk is stored (True) or one was given up (False); any thread."""
 
 
-async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: float
+async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: float,
+                         start_probe: Callable[[list[int]], object] | None = None
                          ) -> tuple[BlendPlan | None, DocumentExports]:
     """Looks up and fetches every document chunk; a BlendPlan when any is cached (and ratio < 1:
-    ratio 1 is a full prefill), and the chunks to store afterwards."""
+    ratio 1 is a full prefill), and the chunks to store afterwards. `start_probe(token_ids)`
+    starts the blend's first stage on the step loop as soon as the lookup found cached chunks,
+    so it runs while they are fetched; it returns the job the plan carries."""
     t0 = time.perf_counter()
     chunk = kv.config.chunk_tokens
     where: list[tuple[bytes, int, int]] = []  # key, prompt start, end
@@ -173,7 +178,10 @@ async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: fl
     except Exception:  # noqa: BLE001 - optional: the service down means compute (and try to store)
         present = [False] * len(where)
     fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    job = None
     if ratio < 1.0 and any(present):
+        if start_probe is not None:
+            job = start_probe(prompt.token_ids)
         wanted = [i for i, p in enumerate(present) if p]
         got = await kv.fetch_chunks(namespace, [(where[i][0], prompt.token_ids[where[i][1]:where[i][2]])
                                                 for i in wanted])
@@ -201,4 +209,4 @@ async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: fl
             segments.append(Segment.cached(last.token_ids[:n], last.k[:, :n], last.v[:, :n]))
         segments.append(Segment.new(last.token_ids[n:]))
     cached = sum(len(s.token_ids) for s in segments if s.is_cached)
-    return BlendPlan(segments, ratio, cached), exports
+    return BlendPlan(segments, ratio, cached, job), exports

@@ -144,3 +144,52 @@ def test_client_disconnect_frees_the_engine_slot_promptly(stack, client):
     freed_after = time.monotonic() - closed
     print(f"engine slot freed {freed_after * 1000:.0f} ms after the client disconnected")
     assert freed_after < 5.0
+
+
+def test_documents_catalogued_cited_retrieved_and_blended(stack, client, tmp_path, capsys):
+    """The catalog from the command line (ingest through the engine, list/search/rm in the KV
+    service), then chat requests that cite a document by id, retrieve by question, or carry
+    documents inline: their KV is blended in, and the response says which documents and how
+    many tokens were reused."""
+    from kvmesh import cli
+
+    where = ["--engine", stack["engine"].address, "--kvcache", stack["kvcache"].address]
+    docs = {"volcano": "Volcanoes form where molten rock from deep inside the Earth reaches the surface. "
+                       "Lava, ash and gas erupt through vents; the island of Iceland sits on such a hot spot. " * 3,
+            "bread": "Bread is made by mixing flour, water, salt and yeast, letting the dough rise, and "
+                     "baking it in a hot oven until the crust turns golden brown. " * 3}
+    for doc_id, text in docs.items():
+        path = tmp_path / f"{doc_id}.txt"
+        path.write_text(text)
+        assert cli.main(["docs", "add", doc_id, str(path), "--meta", "topic=test", *where]) == 0
+    assert cli.main(["docs", "list", *where]) == 0
+    listed = capsys.readouterr().out
+    assert "volcano" in listed and "bread" in listed and "topic=test" in listed
+    assert cli.main(["docs", "search", "how is dough baked", "-k", "1", *where]) == 0
+    assert capsys.readouterr().out.split()[-1] == "bread"
+
+    ask = [{"role": "user", "content": "What erupts through the vents?"}]
+    cited = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                           extra_body={"documents": [{"id": "volcano"}], "recompute_ratio": 0.15})
+    report = cited.model_extra["kvmesh"]
+    assert report["document_ids"] == ["volcano"] and report["blended_tokens"] > 50
+    found = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                           extra_body={"retrieve": {"top_k": 1}})
+    assert found.model_extra["kvmesh"]["document_ids"] == ["volcano"]
+
+    inline = [{"text": docs["bread"]}, {"text": "A short note about rivers and the sea. " * 8}]
+    first = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
+                                           extra_body={"documents": inline})
+    assert first.model_extra["kvmesh"]["blended_tokens"] > 0  # "bread" was ingested: found by content
+    swapped = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
+                                             extra_body={"documents": inline[::-1]})
+    both = swapped.model_extra["kvmesh"]["blended_tokens"]
+    assert both > first.model_extra["kvmesh"]["blended_tokens"]  # the rivers note was stored by the first
+
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                       extra_body={"documents": [{"id": "no-such-document"}]})
+    assert cli.main(["docs", "rm", "bread", *where]) == 0
+    assert capsys.readouterr().out.startswith("bread: deleted")
+    assert cli.main(["docs", "list", *where]) == 0
+    assert "bread" not in capsys.readouterr().out

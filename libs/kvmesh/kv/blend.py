@@ -191,10 +191,101 @@ def _select(deviation: torch.Tensor, cached: torch.Tensor, recompute_ratio: floa
     return keep.nonzero().squeeze(1)
 
 
-@torch.inference_mode()
+class BlendPrefill:
+    """A blended prefill in two stages (see the NOTE), so the first can run while the cached KV
+    is still being fetched: `probe()` needs only the prompt's token ids (layers 0..s-1 over every
+    token, and layer s's q/k/v); `finish(segments, ratio)` brings the cached KV in, selects and
+    recomputes. `finish` probes first if `probe` was not called. One use per instance."""
+
+    def __init__(self, model, token_ids: Sequence[int], select_layers: int = 1) -> None:
+        if not 1 <= select_layers < model.config.num_layers:
+            raise ValueError(f"select_layers must be in 1..{model.config.num_layers - 1} for this "
+                             f"{model.config.num_layers}-layer model, got {select_layers} (layer 0's KV cannot "
+                             "show cross-segment deviation; all layers is recompute_ratio=1)")
+        if not token_ids:
+            raise ValueError("blend_prefill needs at least one token")
+        self.model = model
+        self.token_ids = tuple(int(t) for t in token_ids)
+        self.select_layers = select_layers
+        self._probed: tuple | None = None
+
+    @property
+    def probed(self) -> bool:
+        return self._probed is not None
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """Stage 1: layers 0..s-1 over every token as a full prefill does, and layer s's q/k/v."""
+        if self._probed is not None:
+            return
+        model, s = self.model, self.select_layers
+        layers = list(model.model.layers)
+        ids = torch.tensor(self.token_ids, dtype=torch.long, device=model.device)
+        positions = torch.arange(ids.numel(), device=model.device)
+        h = model.model.embed_tokens(ids)  # [T, hidden]
+        cos, sin = model.rotary(positions, model.dtype)  # [T, hd]
+        fresh: list[tuple[torch.Tensor, torch.Tensor]] = []  # layers < s: fresh (k, v) of every token
+        for layer in layers[:s]:
+            q, k, v = _qkv(layer, h, cos, sin)  # [T, heads|kvh, hd]
+            fresh.append((k, v))
+            h = _finish(layer, h, _attend(layer, q, k, v, None))
+        q, k, v = _qkv(layers[s], h, cos, sin)
+        fresh.append((k, v))
+        self._probed = (h, q, cos, sin, fresh)
+
+    @torch.inference_mode()
+    def finish(self, segments: Sequence[Segment], recompute_ratio: float) -> BlendResult:
+        """Stage 2: `segments` (their token ids concatenated are this prompt's) with cached KV."""
+        model, s = self.model, self.select_layers
+        _validate(model, segments, recompute_ratio, s)
+        if tuple(t for seg in segments for t in seg.token_ids) != self.token_ids:
+            raise ValueError("the segments' token ids are not the prompt this blend was probed with")
+        self.probe()
+        h, q, cos, sin, fresh = self._probed
+        self._probed = None  # one use: the tensors go on below
+        layers = list(model.model.layers)
+        dtype, device, cfg = model.dtype, model.device, model.config
+        T = len(self.token_ids)
+        shape = (cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim)
+        out_k = torch.zeros(shape, dtype=dtype, device=device)  # reused KV now; fresh rows land in it
+        out_v = torch.zeros(shape, dtype=dtype, device=device)
+        cached = torch.zeros(T, dtype=torch.bool, device=device)  # [T]
+        start = 0
+        for seg in segments:
+            n = len(seg.token_ids)
+            if seg.is_cached:
+                out_k[:, start:start + n] = rotate_keys(seg.k.to(device), start, model.rotary).to(dtype)
+                out_v[:, start:start + n] = seg.v.to(device, dtype)
+                cached[start:start + n] = True
+            start += n
+        deviation = torch.zeros(T, dtype=torch.float32, device=device)
+        for l, (k, v) in enumerate(fresh):  # layers 0..s
+            deviation += _deviation(k, v, out_k[l], out_v[l], cached)
+        active = _select(deviation, cached, recompute_ratio)  # [R] ascending
+        for j, (k, v) in enumerate(fresh[:s]):
+            out_k[j, active] = k[active]
+            out_v[j, active] = v[active]
+        k, v = fresh[s]
+        groups: list[_QueryGroup] | None = None  # the recomputed tokens' attention, None when R is every token
+        if active.numel() < T:
+            h, q, k, v = h[active], q[active], k[active], v[active]
+            cos, sin = cos[active], sin[active]
+            groups = _query_groups(active, cfg.num_heads // cfg.num_kv_heads)
+        for l in range(s, cfg.num_layers):
+            layer = layers[l]
+            if l > s:
+                q, k, v = _qkv(layer, h, cos, sin)  # [R, heads|kvh, hd]
+            out_k[l].index_copy_(0, active, k)
+            out_v[l].index_copy_(0, active, v)
+            h = _finish(layer, h, _attend(layer, q, out_k[l], out_v[l], groups))
+        logits = model.compute_logits(model.model.norm(h[-1:]))[0]  # the last prompt token is always in R
+        return BlendResult(out_k, out_v, logits, active, deviation.masked_fill(~cached, float("nan")))
+
+
 def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0.15,
                   select_layers: int = 1) -> BlendResult:
-    """Prefill the prompt made of `segments`, reusing cached segments' KV (see the NOTE).
+    """Prefill the prompt made of `segments`, reusing cached segments' KV (see the NOTE): both
+    stages of BlendPrefill at once.
 
     model: a LlamaForCausalLM (uses its dtype and device). recompute_ratio: share of cached
     tokens recomputed, chosen by KV deviation (0 = pure reuse, 1 = full prefill). select_layers:
@@ -202,53 +293,8 @@ def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0
     inconsistent input. Without cached segments this is a plain full prefill.
     """
     _validate(model, segments, recompute_ratio, select_layers)
-    layers = list(model.model.layers)
-    dtype, device = model.dtype, model.device
-    ids = torch.tensor([t for seg in segments for t in seg.token_ids], dtype=torch.long, device=device)
-    T = ids.numel()
-    cfg = model.config
-    shape = (cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim)
-    out_k = torch.zeros(shape, dtype=dtype, device=device)  # reused KV now; fresh rows land in it
-    out_v = torch.zeros(shape, dtype=dtype, device=device)
-    cached = torch.zeros(T, dtype=torch.bool, device=device)  # [T]
-    start = 0
-    for seg in segments:
-        n = len(seg.token_ids)
-        if seg.is_cached:
-            out_k[:, start:start + n] = rotate_keys(seg.k.to(device), start, model.rotary).to(dtype)
-            out_v[:, start:start + n] = seg.v.to(device, dtype)
-            cached[start:start + n] = True
-        start += n
-
-    positions = torch.arange(T, device=device)
-    h = model.model.embed_tokens(ids)  # [T, hidden]
-    cos, sin = model.rotary(positions, dtype)  # [T, hd]
-    deviation = torch.zeros(T, dtype=torch.float32, device=device)
-    probe: list[tuple[torch.Tensor, torch.Tensor]] = []  # layers < s: fresh (k, v) of every token
-    active: torch.Tensor | None = None  # [R] after selection; None while every token runs
-    groups: list[_QueryGroup] | None = None  # the recomputed tokens' attention, None when R is every token
-    for l, layer in enumerate(layers):
-        q, k, v = _qkv(layer, h, cos, sin)  # [A, heads|kvh, hd]
-        if active is None:
-            deviation += _deviation(k, v, out_k[l], out_v[l], cached)
-            if l < select_layers:
-                probe.append((k, v))
-                h = _finish(layer, h, _attend(layer, q, k, v, None))
-                continue
-            active = _select(deviation, cached, recompute_ratio)
-            for j, (pk, pv) in enumerate(probe):
-                out_k[j, active] = pk[active]
-                out_v[j, active] = pv[active]
-            probe.clear()
-            if active.numel() < T:
-                h, q, k, v = h[active], q[active], k[active], v[active]
-                cos, sin = cos[active], sin[active]
-                groups = _query_groups(active, cfg.num_heads // cfg.num_kv_heads)
-        out_k[l].index_copy_(0, active, k)
-        out_v[l].index_copy_(0, active, v)
-        h = _finish(layer, h, _attend(layer, q, out_k[l], out_v[l], groups))
-    logits = model.compute_logits(model.model.norm(h[-1:]))[0]  # the last prompt token is always in R
-    return BlendResult(out_k, out_v, logits, active, deviation.masked_fill(~cached, float("nan")))
+    job = BlendPrefill(model, [t for seg in segments for t in seg.token_ids], select_layers)
+    return job.finish(segments, recompute_ratio)
 
 
 @torch.inference_mode()

@@ -41,10 +41,12 @@ class KvLayout:
         return f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-{self.dtype}-{self.rope}"
 
 
-def make_namespace(model_identity: str, layout: KvLayout, tenant_salt: str = "") -> bytes:
-    """16-byte namespace from the model identity (weights digest), KV layout and tenant salt."""
+def make_namespace(model_identity: str, layout: KvLayout | str, tenant_salt: str = "") -> bytes:
+    """16-byte namespace from the model identity (weights digest), KV layout (or its
+    ``describe()`` string, as an engine's GetModelInfo reports it) and tenant salt."""
     h = hashlib.blake2b(digest_size=NAMESPACE_BYTES, person=b"kvmesh-ns")
-    for part in (model_identity, layout.describe(), tenant_salt):
+    described = layout if isinstance(layout, str) else layout.describe()
+    for part in (model_identity, described, tenant_salt):
         data = part.encode()
         h.update(len(data).to_bytes(4, "little"))  # length-prefixed: no ambiguity between parts
         h.update(data)

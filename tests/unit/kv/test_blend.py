@@ -165,3 +165,20 @@ def test_continuation_logprobs_equal_a_full_forward(model):
     assert torch.allclose(model.compute_logits(h), logits[:len(prompt)], atol=1e-4)
     with pytest.raises(ValueError, match="at least one token"):
         continuation_logprobs(model, full.k, full.v, full.logits, [])
+
+
+def test_probe_first_then_finish_is_the_same_blend(model):
+    """The two stages (probe while the KV is fetched, then finish) give what one call gives."""
+    from kvmesh.kv.blend import BlendPrefill
+
+    segments = _prompt(model)
+    ids = [t for seg in segments for t in seg.token_ids]
+    whole = blend_prefill(model, segments, 0.3)
+    job = BlendPrefill(model, ids)
+    job.probe()
+    assert job.probed
+    staged = job.finish(segments, 0.3)
+    assert torch.equal(staged.recomputed, whole.recomputed)
+    assert torch.allclose(staged.k, whole.k) and torch.allclose(staged.logits, whole.logits)
+    with pytest.raises(ValueError, match="not the prompt"):
+        BlendPrefill(model, ids[:-1]).finish(segments, 0.3)

@@ -71,3 +71,12 @@ def test_document_chunks_align_to_the_document_not_the_prompt():
     assert document_chunks([], 32, ns) == []
     with pytest.raises(ValueError):
         document_chunks(doc, 0, ns)
+
+
+def test_namespace_from_a_layout_description_equals_the_layout():
+    """Clients that only know GetModelInfo's kv_layout string get the engine's namespace."""
+    from kvmesh.kv.keys import KvLayout, make_namespace
+
+    layout = KvLayout(30, 3, 64, "float32")
+    assert make_namespace("m", layout.describe(), "tenant:a") == make_namespace("m", layout, "tenant:a")
+    assert make_namespace("m", layout.describe(), "tenant:b") != make_namespace("m", layout, "tenant:a")
