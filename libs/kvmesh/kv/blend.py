@@ -25,13 +25,16 @@ NOTE (the algorithm, as built here).
   other cached token in every layer -- a token's KV is never half reused, half fresh, and
   ratio 0 is exactly pure reuse (re-rotated). Ratio 1 makes R every token: a full prefill.
   Cost: s/L of a full prefill for the probe, plus |R|/T of the rest (attention of R over T keys).
-  Measured (bundled SmolLM2-135M, fp32, CPU 2 threads; 5 passages of 320-480 tokens computed
-  alone, shuffled, behind a new header and before a new question, 2,030 tokens; perplexity of
-  the 64 tokens continuing one passage): full prefill 2.7 s; ratio 0: 9.6x faster, +27.8% ppl;
-  0.05: 6.0x, +10.3%; 0.15: 3.5x, +8.2%; 0.30: 2.1x, +6.0%. Selection matters: 15% chosen at
-  random gives +21%. select_layers 2 or 4 changed ppl by < 0.2% at 15% and cost time.
+  Measured (`kvmesh bench blend`, bundled SmolLM2-135M, fp32, 2 threads; 4-6 shuffled sections
+  of pydoc_data.topics per prompt, 1.4-2.7k tokens, through the engine): TTFT vs full prefill
+  4.7x lower at ratio 0, 3.0x at 0.15, 2.2x at 0.3; reference-answer perplexity +121%, +7.4%,
+  +4.9%. Selecting on deeper layers (select_layers 3..12) was no better at 0.15.
+  Stages: `BlendPrefill.probe` (layers < s over every token, and layer s's q/k/v) needs only the
+  token ids, so the engine runs it while the cached KV is still being fetched; `finish` does the
+  rest. The recomputed tokens attend in up to 8 runs, each only to the keys up to its last
+  position (the CPU attention kernel does not skip masked keys).
 
-Model access (all in `_qkv`, `_finish`, `_attend` and the top of `blend_prefill`): for a
+Model access (all in `_qkv`, `_finish`, `_attend` and `BlendPrefill`): for a
 LlamaForCausalLM, ``model.model.embed_tokens``, ``model.rotary``, per decoder layer
 ``input_layernorm``, ``self_attn._qkv`` (its fused, RoPE-applied projection), ``self_attn.o_proj``,
 ``self_attn.scale``, ``post_attention_layernorm``, ``mlp``, then ``model.model.norm`` and
