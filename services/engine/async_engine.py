@@ -45,6 +45,9 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from kvmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.kv.blend import BlendPrefill
 from kvmesh.kv.codec import CodecSpec
@@ -55,6 +58,7 @@ from kvmesh.services.engine.documents import DocumentExports, Part, check_parts,
 from kvmesh.services.engine.kv_connector import EXPORT_TIMEOUT_S, parse_codec
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
+from kvmesh.telemetry import tracer
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,7 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
         try:
+            fetch_span = tracer("kvmesh.engine").start_span("engine.kv_fetch") if kv is not None else None
             plan, blend, document_ids = None, None, ()
             fetch = params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
             if parts is not None:
@@ -136,17 +141,27 @@ class AsyncEngine:
                 self.core.validate(prompt_token_ids, params)
                 if kv is not None and resolved.documents:
                     ratio = self.core.blend_config.recompute_ratio if recompute_ratio is None else recompute_ratio
-                    blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0,
-                                                              self._start_probe)
+                    with trace.use_span(fetch_span, end_on_exit=False):
+                        blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0,
+                                                                  self._start_probe)
             if kv is not None and blend is None and not ingest:  # blended KV is not a prefix's
                 local = self.core.cached_prefix_tokens(prompt_token_ids, cache_salt) if fetch else 0
-                plan = await kv.prepare(list(prompt_token_ids), cache_salt, spec, local, fetch=fetch)
+                with trace.use_span(fetch_span, end_on_exit=False):
+                    plan = await kv.prepare(list(prompt_token_ids), cache_salt, spec, local, fetch=fetch)
         except BaseException:
             self._streams.pop(request_id, None)
+            if fetch_span is not None:
+                fetch_span.end()
             raise
+        if fetch_span is not None:
+            fetch_span.set_attributes({
+                "kvmesh.kv.fetched_tokens": (plan.tokens - plan.start) if plan is not None and plan.kv is not None else 0,
+                "kvmesh.kv.document_tokens": blend.cached_tokens if blend is not None else 0})
+            fetch_span.end()
         req = EngineRequest(request_id, list(prompt_token_ids), params, arrival,
                             cache_salt=cache_salt, kv_plan=plan, speculation=speculation,
-                            blend=blend, doc_exports=doc_exports, document_ids=document_ids, kv_spec=spec)
+                            blend=blend, doc_exports=doc_exports, document_ids=document_ids, kv_spec=spec,
+                            trace_context=otel_context.get_current())
         self._post("add", req)
         finished = False
         try:
@@ -155,6 +170,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
+                if finished:
+                    _trace_request(out, len(prompt_token_ids))
                 yield out
                 if finished:
                     return
@@ -340,3 +357,54 @@ class AsyncEngine:
         for request_id in self.core.request_ids():
             self.core.abort(request_id)
             self._deliver(error, request_id)
+
+
+def _trace_request(out: RequestOutput, prompt_tokens: int) -> None:
+    """The request's way through the engine as spans under the current (server) span, from its
+    timeline: engine.queue (arrival to admission), engine.blend, engine.prefill (admission to the
+    first token), engine.decode (first token to the end, with one `spec_verify` event per
+    verification step); usage as GenAI semantic-convention attributes on the server span."""
+    server = trace.get_current_span()
+    usage, t = out.usage, out.timeline
+    attrs = {"gen_ai.usage.input_tokens": usage.prompt_tokens if usage else prompt_tokens,
+             "gen_ai.usage.output_tokens": usage.completion_tokens if usage else 0,
+             "gen_ai.response.finish_reasons": [out.finish_reason or ""],
+             "kvmesh.engine.cached_tokens": usage.cached_prompt_tokens if usage else 0}
+    if out.spec is not None and out.spec.steps:
+        attrs.update({"kvmesh.spec.steps": out.spec.steps, "kvmesh.spec.draft_tokens": out.spec.draft_tokens,
+                      "kvmesh.spec.accepted_tokens": out.spec.accepted_tokens})
+    if out.documents is not None:
+        attrs.update({"kvmesh.blend.blended_tokens": out.documents.blended_tokens,
+                      "kvmesh.blend.recomputed_tokens": out.documents.recomputed_tokens,
+                      "kvmesh.documents": list(out.documents.document_ids)})
+    server.set_attributes(attrs)
+    if t is None or not server.get_span_context().is_valid:
+        return
+    offset = time.time_ns() - time.monotonic_ns()
+
+    def ns(instant: float) -> int:
+        return int(instant * 1e9) + offset
+
+    def span(name: str, start: float | None, end: float | None, **attributes) -> trace.Span | None:
+        if start is None or end is None:
+            return None
+        return tracer("kvmesh.engine").start_span(name, start_time=ns(start), attributes=attributes)
+
+    queue = span("engine.queue", t.arrival, t.admitted or t.finished)
+    if queue is not None:
+        queue.end(end_time=ns(t.admitted or t.finished))
+    if t.blend is not None:
+        blend = span("engine.blend", *t.blend, **{k: v for k, v in attrs.items() if k.startswith("kvmesh.blend")})
+        blend.end(end_time=ns(t.blend[1]))
+    prefill = span("engine.prefill", t.admitted, t.first_token or t.finished,
+                   **{"gen_ai.usage.input_tokens": attrs["gen_ai.usage.input_tokens"],
+                      "kvmesh.engine.cached_tokens": attrs["kvmesh.engine.cached_tokens"]})
+    if prefill is not None:
+        prefill.end(end_time=ns(t.first_token or t.finished))
+    decode = span("engine.decode", t.first_token, t.finished,
+                  **{"gen_ai.usage.output_tokens": attrs["gen_ai.usage.output_tokens"]})
+    if decode is not None:
+        for instant, drafted, accepted in t.spec_steps:
+            decode.add_event("spec_verify", {"kvmesh.spec.draft_tokens": drafted,
+                                             "kvmesh.spec.accepted_tokens": accepted}, timestamp=ns(instant))
+        decode.end(end_time=ns(t.finished))

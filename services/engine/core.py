@@ -5,12 +5,14 @@ manager are plain Python, the runner is the only part that touches tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from opentelemetry import context as otel_context
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.model.loader import LoadedModel
@@ -55,6 +57,9 @@ class EngineRequest:
     """Catalogued documents the prompt holds (reported in the final output)."""
     kv_spec: Optional[CodecSpec] = None
     """Codec of the document chunks this request stores; None = the deployment's."""
+    trace_context: Optional[object] = None
+    """The request's OpenTelemetry context: the step loop's calls for it (drafts, KV stores)
+    become spans of its trace."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,24 @@ class RequestOutput:
     """Final output only: the request's speculative decoding counters."""
     documents: Optional[DocumentUsage] = None
     """Final output only, for prompts with documents."""
+    timeline: Optional[Timeline] = None
+    """Final output only: when the request moved through the engine (for its trace)."""
+
+
+@dataclass
+class Timeline:
+    """time.monotonic() instants of one request in the engine; None where it never got there."""
+
+    arrival: float
+    admitted: Optional[float] = None
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+    blend: Optional[tuple[float, float]] = None
+    spec_steps: list[tuple[float, int, int]] = field(default_factory=list)
+    """(instant, drafted, accepted) of the request's first SPEC_EVENTS verification steps."""
+
+
+SPEC_EVENTS = 256
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,8 @@ class _State:
     doc_exports: Optional[DocumentExports] = None  # set until the prompt is computed
     kv_spec: Optional[CodecSpec] = None
     documents: Optional[DocumentUsage] = None
+    trace_context: Optional[object] = None
+    timeline: Optional[Timeline] = None
 
 
 class EngineCore:
@@ -234,7 +259,7 @@ class EngineCore:
             kv_plan=plan if plan is not None and not all(plan.present) else None,
             spec_mode=mode if self.drafts is not None else SpecMode.OFF,
             blend=req.blend, doc_exports=req.doc_exports if self.kv is not None else None,
-            kv_spec=req.kv_spec,
+            kv_spec=req.kv_spec, trace_context=req.trace_context, timeline=Timeline(req.arrival_time),
             documents=DocumentUsage(document_ids=req.document_ids) if req.blend or req.document_ids
             or req.doc_exports else None)
 
@@ -298,6 +323,11 @@ class EngineCore:
         if not out.scheduled:
             return []
         started = time.perf_counter()
+        now = time.monotonic()
+        for item in out.scheduled:
+            timeline = self._states[item.seq.request_id].timeline
+            if timeline.admitted is None:
+                timeline.admitted = now
         result = self.runner.execute(out)
         self.scheduler.commit(out)
         if self.kv is not None:
@@ -337,6 +367,7 @@ class EngineCore:
             return
         plan, state.blend = state.blend, None
         t0 = time.perf_counter()
+        m0 = time.monotonic()
         if plan.job is not None:  # its probe stage ran while the KV was being fetched
             res = plan.job.finish(plan.segments, plan.recompute_ratio)
         else:
@@ -347,6 +378,7 @@ class EngineCore:
             seq.external_kv, seq.external_start, seq.external_tokens = (res.k[:, :n], res.v[:, :n]), 0, n
         recomputed = int((~res.deviation.isnan())[res.recomputed].sum())
         state.documents = DocumentUsage(plan.cached_tokens, recomputed, state.documents.document_ids)
+        state.timeline.blend = (m0, time.monotonic())
         log.info("blended %d cached of %d prompt tokens (%d recomputed) in %.0f ms", plan.cached_tokens,
                  seq.num_prompt_tokens, recomputed, 1e3 * (time.perf_counter() - t0))
 
@@ -380,7 +412,14 @@ class EngineCore:
             k = min(self.spec_config.max_draft_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
             if k > 0:
                 queries.append(DraftQuery(seq, k, state.spec_mode))
-        return self.drafts.propose(queries)
+        if not queries:
+            return {}
+        # The Propose call (one for the batch) becomes a span of the first speculating request.
+        token = otel_context.attach(self._states[queries[0].seq.request_id].trace_context or otel_context.Context())
+        try:
+            return self.drafts.propose(queries)
+        finally:
+            otel_context.detach(token)
 
     def _accept(self, rows: DraftLogits, verdict: Verdict) -> RequestOutput:
         """Emits a verified run token by token (a stop cuts it), then keeps the accepted drafts'
@@ -393,6 +432,8 @@ class EngineCore:
             lps = token_logprobs(rows.logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
         out = self._emit(state, tokens, lps)
         accepted = min(verdict.num_accepted, len(out.token_ids))
+        if len(state.timeline.spec_steps) < SPEC_EVENTS:
+            state.timeline.spec_steps.append((time.monotonic(), len(rows.draft_token_ids), accepted))
         for usage in (state.spec, self.spec_totals):
             usage.steps += 1
             usage.draft_tokens += len(rows.draft_token_ids)
@@ -432,7 +473,7 @@ class EngineCore:
             start, end = first * chunk, len(plan.keys) * chunk
             k, v = self.runner.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
             self.kv.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end],
-                                            start, k, v, plan.spec))
+                                            start, k, v, plan.spec, trace_context=state.trace_context))
 
     def _export_documents(self, state: _State) -> None:
         """Hands the KV of the prompt's document chunks the service lacked to the exporter, one
@@ -452,14 +493,14 @@ class EngineCore:
         for key, a, b in exports.chunks:
             k, v = self.runner.read_kv(seq, a, b)
             self.kv.submit_export(ExportJob(exports.namespace, [key], seq.prompt_token_ids[a:b], a, k, v,
-                                            state.kv_spec, on_done=done))
+                                            state.kv_spec, on_done=done, trace_context=state.trace_context))
 
     def _emit(self, state: _State, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         """Appends `tokens` (with their logprobs, if asked for) to the sequence one by one, each
         through the stop checks; the first stop finishes the request and drops the rest."""
         seq = state.seq
         if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
+            state.first_token_time = state.timeline.first_token = time.monotonic()
         out = RequestOutput(request_id=seq.request_id)
         if seq.needs_prompt_logprobs:  # the first token: the prompt is computed, deliver them once
             out.prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, []
@@ -506,4 +547,5 @@ class EngineCore:
             usage=Usage(prompt_tokens=seq.num_prompt_tokens,
                         completion_tokens=len(seq.output_token_ids),
                         cached_prompt_tokens=seq.num_cached_tokens),
-            ttft_s=ttft, e2e_s=now - seq.arrival_time, spec=state.spec, documents=state.documents)
+            ttft_s=ttft, e2e_s=now - seq.arrival_time, spec=state.spec, documents=state.documents,
+            timeline=dataclasses.replace(state.timeline, finished=now))

@@ -12,6 +12,7 @@ from typing import Optional
 import grpc
 
 from kvmesh.draft.v1 import draft_pb2, draft_pb2_grpc
+from kvmesh.rpc.client import make_sync_channel
 from kvmesh.services.engine.sequence import Sequence
 from kvmesh.services.engine.speculation import SpecMode
 
@@ -113,7 +114,8 @@ class DraftClient:
         """Called with the seconds of every Propose call (success or not), e.g. a histogram."""
         self._clock = clock
         backoff_ms = max(100, int(config.retry_s * 1000))
-        self._channel = grpc.insecure_channel(config.address, options=[
+        # Traced: each Propose is a CLIENT span under the request the step loop sets as current.
+        self._channel = make_sync_channel(config.address, options=[
             ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
             ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 1000)),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 
 from kvmesh.kv import codec, transfer
 from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
@@ -39,7 +40,7 @@ from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 from kvmesh.model.llama import RotaryEmbedding
-from kvmesh.rpc.client import make_channel
+from kvmesh.rpc.client import make_channel, make_sync_channel
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class ExportJob:
     spec: codec.CodecSpec | None = None  # the request's codec; None = the deployment's
     on_done: Optional[Callable[[bool], None]] = None
     """Called on the export thread once the job's chunks are stored (True) or given up (False)."""
+    trace_context: Optional[object] = None
+    """The request's OpenTelemetry context: its Puts become spans of the request's trace."""
 
 
 @dataclass
@@ -371,11 +374,12 @@ class KvConnector:
 
     def _export_loop(self) -> None:
         torch.set_num_threads(1)
-        channel = grpc.insecure_channel(self.config.address)
+        channel = make_sync_channel(self.config.address)  # each Put a CLIENT span under its request
         stub = kvcache_pb2_grpc.KvcacheServiceStub(channel)
         chunk = self.config.chunk_tokens
         while (job := self._exports.get()) is not None:
             ok = True
+            token = otel_context.attach(job.trace_context or otel_context.Context())
             for i, key in enumerate(job.keys):
                 sl = slice(i * chunk, (i + 1) * chunk)
                 try:
@@ -390,6 +394,7 @@ class KvConnector:
                     log.warning("KV export failed (%s); dropping %d chunks", _describe(err), len(job.keys) - i)
                     ok = False
                     break
+            otel_context.detach(token)
             if job.on_done is not None:
                 job.on_done(ok)
             self._exports.task_done()

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 import grpc
 from google.protobuf import unknown_fields
+from opentelemetry import trace
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -136,6 +137,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         params = sampling_from_proto(request.sampling)
         speculation = speculation_from_proto(request.speculation)
         salt = request.cache_salt.encode()
+        trace.get_current_span().set_attributes({
+            "gen_ai.system": "kvmesh", "gen_ai.operation.name": "generate", "gen_ai.request.model": self.info.model,
+            "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
+            "kvmesh.request_id": request.request_id})
         async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt,
                                               kv_codec=request.kv_codec, speculation=speculation,
                                               parts=parts, recompute_ratio=ratio):

@@ -33,6 +33,7 @@ class GatewayConfig:
     models_refresh_s: float = setting(5.0, "Seconds the router's model list is cached before it is asked again.", min=0.0)
     grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
     otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
+    trace_content: bool = setting(False, "Record prompts and completions in trace spans (gen_ai.prompt, gen_ai.completion). Off by default: traces then carry token counts, never text.")
 
     def validate(self) -> None:
         if ":" not in self.router_address:

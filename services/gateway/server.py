@@ -47,7 +47,7 @@ def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Ch
                         cfg.tenant_max_inflight_requests),
         on_change=metrics.set_inflight)
     options = GatewayOptions(default_temperature=cfg.default_temperature,
-                             retry_after_s=cfg.retry_after_s,
+                             retry_after_s=cfg.retry_after_s, trace_content=cfg.trace_content,
                              limits=Limits(max_n=cfg.max_n, max_batch_prompts=cfg.max_batch_prompts))
     return Gateway(router, ModelCatalog(router, cfg.models_refresh_s), PromptBuilder(tokenizer),
                    KeyStore(cfg.keys_file), admission, options)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import Unauthenticated
@@ -69,6 +70,8 @@ class GatewayOptions:
 
     default_temperature: float = 1.0
     retry_after_s: int = 1
+    trace_content: bool = False
+    """Operators' opt-in: prompt and completion text as span attributes (never by default)."""
     limits: Limits = Limits()
 
 
@@ -114,6 +117,8 @@ class Generation:
 
     async def _run(self) -> AsyncIterator[ChoiceDelta]:
         first_token = True
+        content = self._gateway.options.trace_content
+        texts: dict[int, list[str]] = {}
         try:
             async with contextlib.aclosing(merge(self._gateway.router, self._jobs)) as items:
                 async for item in items:
@@ -123,6 +128,8 @@ class Generation:
                         if self.usage.documents is not None:
                             self.usage.add_documents(item.prompt_tokens, item.documents)
                         continue
+                    if content and item.text:
+                        texts.setdefault(item.index, []).append(item.text)
                     if first_token and (item.token_ids or item.text):
                         first_token = False
                         metrics.TTFT_SECONDS.labels(self._endpoint).observe(
@@ -132,6 +139,14 @@ class Generation:
                                 ("completion", self.usage.completion_tokens),
                                 ("cached", self.usage.cached_tokens)):
                 metrics.TOKENS.labels(kind).inc(value)
+            trace.get_current_span().set_attributes({  # GenAI semantic conventions
+                "gen_ai.usage.input_tokens": self.usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": self.usage.completion_tokens,
+                "kvmesh.usage.cached_tokens": self.usage.cached_tokens})
+            if content:
+                trace.get_current_span().set_attributes({
+                    "gen_ai.prompt": [p.text for p in self.prompts],
+                    "gen_ai.completion": ["".join(texts.get(i, ())) for i in range(len(self._jobs))]})
         except grpc.aio.AioRpcError as e:
             if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 metrics.REJECTED.labels("upstream_exhausted").inc()
@@ -208,6 +223,12 @@ class Gateway:
                     arrival: float) -> Generation:
         """Validate, tokenize, admit and open the upstream streams (see the module docstring)."""
         validate_request(req, self.options.limits)
+        span = trace.get_current_span()
+        span.set_attributes({"gen_ai.system": "kvmesh",
+                             "gen_ai.operation.name": "chat" if req.kind == "chat" else "text_completion",
+                             "gen_ai.request.model": req.model, "kvmesh.tenant": tenant.name})
+        if req.sampling.max_tokens is not None:
+            span.set_attribute("gen_ai.request.max_tokens", req.sampling.max_tokens)
         model = await self.model(req.model)
         if req.uses_documents:
             prompts = [await self.prompts.chat_with_documents(req.messages, req.documents,

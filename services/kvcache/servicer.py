@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
 import numpy as np
+from opentelemetry import trace
 
 from kvmesh.embed import DIM, Embedder, check_unit_vector
 from kvmesh.errors import InvalidArgument, ResourceExhausted
@@ -109,8 +110,10 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
         where = await self._run(self.store.contains_many, keys)
         tiers = [_TIERS[name] if name else pb.TIER_NONE for name in where]
         prefix = next((i for i, name in enumerate(where) if not name), len(where))
-        metrics.LOOKUPS.inc()
-        metrics.LOOKUP_HIT_CHUNKS.inc(prefix)
+        metrics.record_lookup(len(keys), prefix, request.chunk_tokens)
+        trace.get_current_span().set_attributes({
+            "kvmesh.kv.keys": len(keys), "kvmesh.kv.found_chunks": sum(1 for w in where if w),
+            "kvmesh.kv.hit_chunks": prefix, "kvmesh.kv.hit_tokens": prefix * request.chunk_tokens})
         return pb.LookupResponse(tiers=tiers, prefix_chunks=prefix,
                                  prefix_tokens=prefix * request.chunk_tokens)
 
@@ -160,7 +163,10 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
                 self._gauges()
         except (StoreFull, EntryTooLarge) as err:
             raise ResourceExhausted(f"Put: {err}") from err
-        metrics.BYTES_WRITTEN.inc(len(blob))
+        metrics.record_put(len(blob))
+        trace.get_current_span().set_attributes({
+            "kvmesh.kv.bytes": len(blob), "kvmesh.kv.tokens": blob_header.shape[1],
+            "kvmesh.kv.codec": blob_header.codec + ("+zstd" if blob_header.zstd else "")})
         return pb.PutResponse(stored_bytes=len(blob))
 
     def _get_verified(self, keys: list[bytes]) -> list[tuple[bytes | None, str | None]]:
@@ -181,11 +187,15 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
         keys = _check_keys(request.keys, "Get")
         found = await self._run(self._get_verified, keys)
+        metrics.record_get(len(keys))
+        trace.get_current_span().set_attributes({
+            "kvmesh.kv.keys": len(keys), "kvmesh.kv.found_chunks": sum(1 for b, _ in found if b is not None),
+            "kvmesh.kv.bytes": sum(len(b) for b, _ in found if b is not None)})
         for key, (blob, tier) in zip(keys, found):
             if blob is None:
                 yield pb.GetResponse(header=pb.GetEntryHeader(key=key, found=False, tier=pb.TIER_NONE))
                 continue
-            metrics.BYTES_READ.inc(len(blob))
+            metrics.record_read(len(blob))
             yield pb.GetResponse(header=pb.GetEntryHeader(
                 key=key, found=True, total_bytes=len(blob), checksum=transfer.checksum(blob), tier=_TIERS[tier]))
             for part in transfer.slices(blob):

@@ -49,5 +49,31 @@ def test_http_span_context_reaches_the_router_call(gateway):
         assert sent.split("-")[2] == format(client.context.span_id, "016x")
         assert server.attributes["kvmesh.tenant"] == "default"
         assert server.attributes["http.response.status_code"] == 200
+        # GenAI semantic conventions, and no content unless the operator opts in
+        usage = r.json()["usage"]
+        assert server.attributes["gen_ai.operation.name"] == "chat"
+        assert server.attributes["gen_ai.request.model"] == MODEL
+        assert server.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+        assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
+        assert not any(k in server.attributes for k in ("gen_ai.prompt", "gen_ai.completion"))
+    finally:
+        provider.shutdown()
+
+
+def test_content_is_recorded_only_when_the_operator_opts_in():
+    from gateway_utils import GatewayHarness
+
+    exporter = _Exporter("POST /v1/chat/completions")
+    provider = setup_telemetry("kvmesh-gateway-test", span_exporter=exporter)
+    try:
+        with GatewayHarness(trace_content=True) as gw:
+            r = httpx.post(f"{gw.base_url}/chat/completions",
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}, timeout=10)
+            assert r.status_code == 200
+            assert exporter.seen.wait(5)
+        [server] = [s for s in exporter.get_finished_spans()
+                    if s.name == "POST /v1/chat/completions" and s.kind is SpanKind.SERVER]
+        assert "hi there" in server.attributes["gen_ai.prompt"][0]
+        assert list(server.attributes["gen_ai.completion"]) == [r.json()["choices"][0]["message"]["content"]]
     finally:
         provider.shutdown()

@@ -140,6 +140,52 @@ def make_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BY
                       _UnaryStreamInterceptor(default_timeout_s)])
 
 
+class _SyncTracing(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    """CLIENT span + trace context for blocking calls (threads that are not on an event loop:
+    the engine's step loop calling the draft service, its export thread storing KV). The span's
+    parent is the thread's current context, which the caller sets to the request's."""
+
+    def _traced(self, continuation, details, request):
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.startswith(_UNTRACED):
+            return continuation(details, request)
+        service, _, name = method.lstrip("/").rpartition("/")
+        span = tracer("kvmesh.rpc").start_span(
+            method, kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        with trace.use_span(span, end_on_exit=False):
+            metadata = inject_metadata(details.metadata)
+        details = _SyncDetails(details.method, details.timeout, metadata, details.credentials,
+                               details.wait_for_ready, details.compression)
+        try:
+            outcome = continuation(details, request)
+            outcome.result()  # blocks until the answer (or raises its error)
+        except grpc.RpcError as e:
+            _end_span(span, e.code(), e.details() or "")
+            raise
+        _end_span(span, grpc.StatusCode.OK, "")
+        return outcome
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return self._traced(continuation, client_call_details, request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return self._traced(continuation, client_call_details, request_iterator)
+
+
+class _SyncDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression) -> None:
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+def make_sync_channel(target: str, *, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A blocking insecure channel to `target` whose unary and client-streaming calls open a
+    CLIENT span in the calling thread's current context and carry it in their metadata (callers
+    pass their own deadlines)."""
+    return grpc.intercept_channel(grpc.insecure_channel(target, options=list(options)), _SyncTracing())
+
+
 async def wait_for_ready(channel: grpc.aio.Channel, timeout: float, service: str = "") -> None:
     """Wait until the server behind `channel` reports `service` ("" = the whole server) SERVING.
 
