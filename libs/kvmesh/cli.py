@@ -8,7 +8,12 @@ import sys
 import time
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    import os
+
     from kvmesh import launcher
+
+    if args.otlp_endpoint:  # every service reads it (and the processes inherit this environment)
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
 
     plan = launcher.StackPlan(
         ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
@@ -192,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                       ("kvcache", 50071), ("draft", 50091)):
         up.add_argument(f"--{svc}-port", type=int, default=port,
                         help=f"{svc} port" + (" (OpenAI API)" if svc == "http" else " (gRPC)"))
+    up.add_argument("--otlp-endpoint", help="export every service's traces by OTLP/gRPC to this host:port "
+                                           "(e.g. a local collector or Jaeger on 127.0.0.1:4317)")
     up.set_defaults(fn=_cmd_up)
     sub.add_parser("down", help="stop the local stack gracefully").set_defaults(fn=_cmd_down)
     sub.add_parser("status", help="health of each local service").set_defaults(fn=_cmd_status)
