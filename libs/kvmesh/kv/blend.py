@@ -250,8 +250,11 @@ class BlendPrefill:
         dtype, device, cfg = model.dtype, model.device, model.config
         T = len(self.token_ids)
         shape = (cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim)
-        out_k = torch.zeros(shape, dtype=dtype, device=device)  # reused KV now; fresh rows land in it
-        out_v = torch.zeros(shape, dtype=dtype, device=device)
+        # Every position is written in every layer before it is read: cached ones with reused KV
+        # here, the recomputed ones (new text always among them) fresh below. No zero fill (it
+        # cost ~20 ms of a 0.8 s blend of 2,100 tokens).
+        out_k = torch.empty(shape, dtype=dtype, device=device)
+        out_v = torch.empty(shape, dtype=dtype, device=device)
         cached = torch.zeros(T, dtype=torch.bool, device=device)  # [T]
         start = 0
         for seg in segments:

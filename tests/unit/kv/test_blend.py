@@ -182,3 +182,19 @@ def test_probe_first_then_finish_is_the_same_blend(model):
     assert torch.allclose(staged.k, whole.k) and torch.allclose(staged.logits, whole.logits)
     with pytest.raises(ValueError, match="not the prompt"):
         BlendPrefill(model, ids[:-1]).finish(segments, 0.3)
+
+
+def test_every_kv_position_is_written_before_it_is_read(model, monkeypatch):
+    """The output KV is allocated uninitialized: poison it with NaN and the blend must not change."""
+    import kvmesh.kv.blend as blend_mod
+
+    segments = _prompt(model)
+    clean = blend_prefill(model, segments, 0.15)
+
+    def poisoned(*shape, **kw):
+        return torch.full(*shape, float("nan"), **kw)
+
+    monkeypatch.setattr(blend_mod.torch, "empty", poisoned)
+    dirty = blend_prefill(model, segments, 0.15)
+    assert torch.isfinite(dirty.k).all() and torch.isfinite(dirty.v).all()
+    assert torch.equal(dirty.k, clean.k) and torch.equal(dirty.logits, clean.logits)
