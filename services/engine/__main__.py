@@ -22,12 +22,9 @@ SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 async def serve(cfg: EngineConfig) -> None:
     setup_telemetry("kvmesh-engine", otlp_endpoint=cfg.otlp_endpoint)
     engine = build_async_engine(cfg)
+    metrics.instrument(engine)
     if engine.core.kv is not None:
-        metrics.register_kv_connector(engine.core.kv)
         await engine.core.kv.warm_up()
-    if engine.core.drafts is not None:
-        metrics.register_speculation(engine.core)
-    engine.on_step = metrics.record_step
     servicer = EngineServicer(engine, model_info(engine.core, cfg))
     server = RpcServer(
         "engine",

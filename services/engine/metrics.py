@@ -1,97 +1,180 @@
-"""Engine Prometheus metrics. Names follow vLLM's (`vllm:X` → `kvmesh_engine_X`)."""
+"""Engine Prometheus metrics, named after vLLM's: `vllm:X` → `kvmesh_engine_X` (README, "Metrics",
+has the table). Two sources:
+
+- the step loop's hook (`StepMetrics`, AsyncEngine.on_step): gauges of the batch, token counters
+  and latency histograms from each step's outputs;
+- collectors read at scrape time (`instrument` registers them): counters the core, its block
+  manager, its KV-service link and its draft-service link keep anyway, so nothing is counted twice.
+
+Requests aborted by a client are finished by `EngineCore.abort`, outside any step, so they reach
+neither the hook nor `request_success`; their generated tokens were counted as they came.
+"""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import time
 
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from kvmesh.metrics import metric_name
+from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import EngineCore, RequestOutput
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
-RUNNING = Gauge("kvmesh_engine_num_requests_running", "Requests in the running batch.")
-WAITING = Gauge("kvmesh_engine_num_requests_waiting", "Requests waiting to be scheduled.")
-KV_USAGE = Gauge("kvmesh_engine_kv_cache_usage_perc", "Fraction of paged-KV blocks in use (0-1).")
-PROMPT_TOKENS = Counter("kvmesh_engine_prompt_tokens", "Prompt tokens of finished requests.")
-GEN_TOKENS = Counter("kvmesh_engine_generation_tokens", "Generated tokens.")
-CACHED_TOKENS = Counter("kvmesh_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-REQUESTS = Counter("kvmesh_engine_request_success", "Finished requests by finish reason.", ["finished_reason"])
-TTFT = Histogram("kvmesh_engine_time_to_first_token_seconds", "Time to first token.", buckets=_LAT)
-E2E = Histogram("kvmesh_engine_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LAT)
-STEP = Histogram("kvmesh_engine_step_seconds", "Duration of one engine step.", buckets=_LAT)
-PROPOSE = Histogram("kvmesh_engine_spec_propose_seconds",
+
+def _name(name: str) -> str:
+    return metric_name("engine", name)
+
+
+RUNNING = Gauge(_name("num_requests_running"), "Requests in the running batch.")
+WAITING = Gauge(_name("num_requests_waiting"), "Requests waiting to be scheduled.")
+KV_USAGE = Gauge(_name("kv_cache_usage_perc"), "Fraction of paged-KV blocks in use (0-1).")
+PROMPT_TOKENS = Counter(_name("prompt_tokens"), "Prompt tokens of finished requests.")
+GEN_TOKENS = Counter(_name("generation_tokens"), "Generated tokens, counted as they are emitted.")
+CACHED_PROMPT_TOKENS = Counter(
+    _name("cached_prompt_tokens"),
+    "Prompt tokens of finished requests that were not computed: reused from the prefix cache, "
+    "imported from the KV-cache service or blended in (usage.cached_prompt_tokens).")
+REQUESTS = Counter(_name("request_success"), "Finished requests by finish reason.", ["finished_reason"])
+for _reason in ("stop", "length", "stop_string"):
+    REQUESTS.labels(_reason)  # exported from the start at 0, so rate() sees the first request
+REQUEST_PROMPT_TOKENS = Histogram(_name("request_prompt_tokens"), "Prompt tokens per finished request.",
+                                  buckets=_TOKENS)
+REQUEST_GEN_TOKENS = Histogram(_name("request_generation_tokens"),
+                               "Generated tokens per finished request.", buckets=_TOKENS)
+TTFT = Histogram(_name("time_to_first_token_seconds"), "Arrival to the first generated token.",
+                 buckets=_LAT)
+ITL = Histogram(_name("inter_token_latency_seconds"),
+                "Time between two steps that emitted tokens for one request (one observation per "
+                "request and step; a step that accepted drafts emits several tokens).", buckets=_ITL)
+TPOT = Histogram(_name("request_time_per_output_token_seconds"),
+                 "Per finished request with 2+ tokens: first token to finish, over tokens after the first.",
+                 buckets=_ITL)
+E2E = Histogram(_name("e2e_request_latency_seconds"), "Arrival to finish.", buckets=_LAT)
+STEP = Histogram(_name("step_seconds"), "Duration of one engine step.", buckets=_LAT)
+PROPOSE = Histogram(_name("spec_propose_seconds"),
                     "Duration of one Propose call to the draft service (failed ones included).",
                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+BLEND_PROMPTS = Counter(_name("blend_prompts"),
+                        "Finished requests whose prompt blended in cached document KV.")
+BLEND_TOKENS = Counter(_name("blend_tokens"),
+                       "Prompt tokens whose KV came from cached documents (blended_tokens).")
+BLEND_RECOMPUTED = Counter(_name("blend_recomputed_tokens"),
+                           "Blended tokens recomputed to restore cross-attention (recomputed_tokens).")
 
 
-def record_step(core: EngineCore, outputs: list[RequestOutput], seconds: float) -> None:
-    """Step-loop hook: updates gauges and counters from one step's outputs."""
-    STEP.observe(seconds)
-    RUNNING.set(core.scheduler.num_running)
-    WAITING.set(core.scheduler.num_waiting)
-    KV_USAGE.set(core.block_manager.usage)
-    for out in outputs:
-        GEN_TOKENS.inc(len(out.token_ids))
-        if out.finished and out.usage is not None:
-            PROMPT_TOKENS.inc(out.usage.prompt_tokens)
-            CACHED_TOKENS.inc(out.usage.cached_prompt_tokens)
-            REQUESTS.labels(out.finish_reason).inc()
-            TTFT.observe(out.ttft_s)
-            E2E.observe(out.e2e_s)
+class StepMetrics:
+    """The step loop's hook (`AsyncEngine.on_step`): gauges, token counters and latencies.
+
+    Keeps the time of each running request's last emitting step, for the inter-token latency;
+    requests that end outside a step (aborts) are dropped from it at the next step.
+    """
+
+    def __init__(self) -> None:
+        self._last_emit: dict[str, float] = {}
+
+    def __call__(self, core: EngineCore, outputs: list[RequestOutput], seconds: float) -> None:
+        now = time.monotonic()
+        STEP.observe(seconds)
+        RUNNING.set(core.scheduler.num_running)
+        WAITING.set(core.scheduler.num_waiting)
+        KV_USAGE.set(core.block_manager.usage)
+        for out in outputs:
+            if out.token_ids:
+                GEN_TOKENS.inc(len(out.token_ids))
+                last = self._last_emit.get(out.request_id)
+                if last is not None:
+                    ITL.observe(now - last)
+                self._last_emit[out.request_id] = now
+            if out.finished:
+                self._last_emit.pop(out.request_id, None)
+                if out.usage is not None:
+                    _record_finished(out)
+        if len(self._last_emit) > core.scheduler.num_running + core.scheduler.num_waiting:
+            live = set(core.request_ids())
+            self._last_emit = {rid: t for rid, t in self._last_emit.items() if rid in live}
 
 
-class _KvConnectorCollector:
-    """Exposes the KV-service link's counters at scrape time (the connector counts; no copies)."""
-
-    _HELP = {
-        "lookups": "Prompts looked up in the KV-cache service.",
-        "fetched_chunks": "KV chunks fetched from the KV-cache service and imported.",
-        "fetch_failures": "Lookups/fetches that failed (the prompt was recomputed).",
-        "bad_blobs": "Fetched blobs rejected (checksum, namespace, shape or token ids) and deleted.",
-        "exported_chunks": "KV chunks stored in the KV-cache service.",
-        "export_failures": "KV chunks whose store failed.",
-        "export_dropped": "KV chunks not exported because the export queue was full.",
-    }
-
-    def __init__(self, stats) -> None:
-        self.stats = stats
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        for field, help_text in self._HELP.items():
-            yield CounterMetricFamily(f"kvmesh_engine_kv_{field}", help_text, value=getattr(self.stats, field))
+def _record_finished(out: RequestOutput) -> None:
+    usage = out.usage
+    PROMPT_TOKENS.inc(usage.prompt_tokens)
+    CACHED_PROMPT_TOKENS.inc(usage.cached_prompt_tokens)
+    REQUESTS.labels(out.finish_reason).inc()
+    REQUEST_PROMPT_TOKENS.observe(usage.prompt_tokens)
+    REQUEST_GEN_TOKENS.observe(usage.completion_tokens)
+    TTFT.observe(out.ttft_s)
+    E2E.observe(out.e2e_s)
+    if usage.completion_tokens > 1:
+        TPOT.observe((out.e2e_s - out.ttft_s) / (usage.completion_tokens - 1))
+    docs = out.documents
+    if docs is not None and docs.blended_tokens:
+        BLEND_PROMPTS.inc()
+        BLEND_TOKENS.inc(docs.blended_tokens)
+        BLEND_RECOMPUTED.inc(docs.recomputed_tokens)
 
 
-def register_kv_connector(connector) -> None:
-    """Publish `connector.stats` as kvmesh_engine_kv_* counters."""
-    from prometheus_client import REGISTRY
+_KV_HELP = {
+    "lookups": "Prompts looked up in the KV-cache service.",
+    "fetched_chunks": "KV chunks fetched from the KV-cache service and imported.",
+    "fetch_failures": "Lookups/fetches that failed (the prompt was recomputed).",
+    "bad_blobs": "Fetched blobs rejected (checksum, namespace, shape or token ids) and deleted.",
+    "exported_chunks": "KV chunks stored in the KV-cache service.",
+    "export_failures": "KV chunks whose store failed.",
+    "export_dropped": "KV chunks not exported because the export queue was full.",
+}
 
-    REGISTRY.register(_KvConnectorCollector(connector.stats))
 
-
-class _SpecCollector:
-    """Exposes speculative decoding counters at scrape time (the core and draft client count)."""
+class CoreCollector:
+    """Counters the core keeps anyway, read at scrape time (no copies, nothing counted twice):
+    prefix-cache queries/hits and preemptions always, the KV-service link's counters with a
+    KV-cache service, speculative decoding's with a draft service."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        core = self.core
+        bm = core.block_manager
+        yield from _counters(
+            ("prefix_cache_queries", "Prefix-cache queries in tokens: every admitted sequence's tokens "
+                                     "(again after a preemption).", bm.num_queried_tokens),
+            ("prefix_cache_hits", "Tokens of those queries found in the engine's prefix cache (whole "
+                                  "blocks; KV imported from the KV-cache service is not counted).",
+             bm.num_hit_tokens),
+            ("num_preemptions", "Running requests preempted (blocks freed, recomputed later).",
+             core.scheduler.num_preemptions))
+        if core.kv is not None:
+            stats = core.kv.stats
+            yield from _counters(*((f"kv_{field}", text, getattr(stats, field))
+                                   for field, text in _KV_HELP.items()))
+        if core.drafts is not None:
+            totals, stats = core.spec_totals, core.drafts.stats
+            yield from _counters(
+                ("spec_decode_num_drafts", "Decode steps of a sequence that verified draft tokens.",
+                 totals.steps),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", totals.draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted (and emitted).",
+                 totals.accepted_tokens),
+                ("spec_draft_failures", "Propose calls that failed or missed their deadline (that step "
+                                        "decoded without drafts).", stats.failures),
+                ("spec_resyncs", "Sequences the draft service asked to resend whole.", stats.resyncs))
 
-        totals, stats = self.core.spec_totals, self.core.drafts.stats
-        for name, help_text, value in (
-                ("spec_steps", "Decode steps of a sequence that verified draft tokens.", totals.steps),
-                ("spec_draft_tokens", "Draft tokens verified.", totals.draft_tokens),
-                ("spec_accepted_tokens", "Draft tokens accepted (and emitted).", totals.accepted_tokens),
-                ("spec_draft_failures", "Propose calls that failed or missed their deadline "
-                                        "(that step decoded without drafts).", stats.failures),
-                ("spec_resyncs", "Sequences the draft service asked to resend whole.", stats.resyncs)):
-            yield CounterMetricFamily(f"kvmesh_engine_{name}", help_text, value=value)
+
+def _counters(*rows: tuple[str, str, int]):
+    for name, help_text, value in rows:
+        yield CounterMetricFamily(_name(name), help_text, value=value)
 
 
-def register_speculation(core: EngineCore) -> None:
-    """Publish the core's speculative decoding counters as kvmesh_engine_spec_* and time every
-    Propose call in kvmesh_engine_spec_propose_seconds (call when core.drafts is set)."""
-    from prometheus_client import REGISTRY
-
-    core.drafts.on_propose = PROPOSE.observe
-    REGISTRY.register(_SpecCollector(core))
+def instrument(engine: AsyncEngine, registry: CollectorRegistry = REGISTRY) -> CoreCollector:
+    """Publishes one engine's metrics: installs the step hook, times every Propose call, and
+    registers (and returns) its core's collector in `registry` (one engine per registry)."""
+    core = engine.core
+    engine.on_step = StepMetrics()
+    if core.drafts is not None:
+        core.drafts.on_propose = PROPOSE.observe
+    collector = CoreCollector(core)
+    registry.register(collector)
+    return collector

@@ -8,6 +8,7 @@ import sys
 from kvmesh.config import describe, load_config
 from kvmesh.kvcache.v1 import kvcache_pb2, kvcache_pb2_grpc
 from kvmesh.rpc.server import RpcServer, ServerOptions, run_service
+from kvmesh.services.kvcache import metrics
 from kvmesh.services.kvcache.build import build_store
 from kvmesh.services.kvcache.config import KvcacheConfig
 from kvmesh.services.kvcache.servicer import KvcacheServicer
@@ -20,6 +21,7 @@ SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KvcacheService"].full_name
 async def serve(cfg: KvcacheConfig) -> None:
     setup_telemetry("kvmesh-kvcache", otlp_endpoint=cfg.otlp_endpoint)
     servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes)
+    metrics.register_store(servicer)
     server = RpcServer(
         "kvcache",
         ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s,

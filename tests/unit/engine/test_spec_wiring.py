@@ -62,11 +62,11 @@ def test_metrics(tiny):
     finally:
         fake.stop()
     registry = CollectorRegistry()
-    registry.register(metrics._SpecCollector(core))
+    registry.register(metrics.CoreCollector(core))
     text = generate_latest(registry).decode()
     totals = core.spec_totals
-    assert f"kvmesh_engine_spec_draft_tokens_total {float(totals.draft_tokens)}" in text
-    assert f"kvmesh_engine_spec_accepted_tokens_total {float(totals.accepted_tokens)}" in text
+    assert f"kvmesh_engine_spec_decode_num_draft_tokens_total {float(totals.draft_tokens)}" in text
+    assert f"kvmesh_engine_spec_decode_num_accepted_tokens_total {float(totals.accepted_tokens)}" in text
     assert "kvmesh_engine_spec_draft_failures_total 0.0" in text
     assert totals.draft_tokens > 0 and len(seen) == core.drafts.stats.calls and all(s > 0 for s in seen)
 

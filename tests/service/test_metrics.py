@@ -1,0 +1,302 @@
+"""Metrics checked exactly, without a dashboard: a known workload goes through the engine, the
+KV-cache service and the gateway, then /metrics is scraped (the real endpoint and exposition
+format) and every counter must have moved by exactly the known amount.
+
+Counters are process-wide, so the tests compare scrapes before and after; collectors of one
+engine or store (prefix cache, KV link, speculation, tiers) are registered for the test only, so
+their values are absolute.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_tiny_checkpoint, run_all
+from gateway_utils import MODEL, GatewayHarness
+from kvcache_utils import serving
+from kvmesh.kv import codec
+from kvmesh.kv.keys import make_namespace
+from kvmesh.metrics import start_metrics_server
+from kvmesh.services.engine import metrics as engine_metrics
+from kvmesh.services.engine.async_engine import AsyncEngine
+from kvmesh.services.engine.build import kv_layout
+from kvmesh.services.engine.documents import InlineDocument, Tokens
+from kvmesh.services.kvcache import metrics as kvcache_metrics
+from kvmesh.services.kvcache.config import KvcacheConfig
+
+CHUNK = 32
+KVCACHE = "kvmesh.kvcache.v1.KvcacheService"
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One scrape of /metrics: sample name + labels -> value."""
+
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+    def __call__(self, name: str, **labels: str) -> float:
+        """The sample's value; KeyError when the scrape lacks it (a misspelt name fails)."""
+        return self.values[(name, tuple(sorted(labels.items())))]
+
+    def get(self, name: str, **labels: str) -> float:
+        """The sample's value, 0 when absent (a labelled child not created yet)."""
+        return self.values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def scrape(url: str) -> Scrape:
+    text = httpx.get(url, timeout=10).text
+    return Scrape({(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples})
+
+
+class Deltas:
+    """Scrapes before and after; `moved(name, **labels)` is after minus before."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.before = scrape(url)
+        self.after = self.before
+
+    def rescrape(self) -> Scrape:
+        self.after = scrape(self.url)
+        return self.after
+
+    def moved(self, name: str, **labels: str) -> float:
+        return self.after(name, **labels) - self.before.get(name, **labels)
+
+
+@pytest.fixture(scope="module")
+def metrics_url() -> str:
+    """The default registry served the way every service serves it (kvmesh.metrics)."""
+    port = start_metrics_server("127.0.0.1", 0)
+    return f"http://127.0.0.1:{port}/metrics"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@contextlib.contextmanager
+def instrumented(core, **engine_kw):
+    """An AsyncEngine on `core`, published the way engine/__main__ does, unpublished after."""
+    engine = AsyncEngine(lambda: core, max_waiting=8)
+    collector = engine_metrics.instrument(engine)
+    try:
+        yield engine
+    finally:
+        REGISTRY.unregister(collector)
+        engine.shutdown()
+
+
+async def generate(engine: AsyncEngine, prompt=None, max_tokens: int = 5, **kw):
+    final = None
+    async for out in engine.generate(prompt, greedy(max_tokens, ignore_eos=True), **kw):
+        final = out if out.finished else final
+    return final
+
+
+def prompt(first: int, n: int) -> list[int]:
+    return [(first + 7 * j) % 250 + 1 for j in range(n)]
+
+
+async def test_engine_counters_after_a_known_workload(tiny, metrics_url):
+    # 3 prompts of 40 tokens at once, then the first again: its 2 full blocks (32 tokens; the
+    # last prompt token is always computed) come from the prefix cache. 5 tokens each.
+    core = make_core(tiny, num_blocks=64, block_size=16, max_num_batched_tokens=256)
+    with instrumented(core) as engine:
+        d = Deltas(metrics_url)
+        prompts = [prompt(i, 40) for i in (0, 1, 2)]
+        finals = await asyncio.gather(*(generate(engine, p) for p in prompts))
+        finals.append(await generate(engine, prompts[0]))
+        after = await asyncio.to_thread(d.rescrape)
+
+    assert [f.usage.completion_tokens for f in finals] == [5] * 4
+    e = "kvmesh_engine_"
+    assert d.moved(e + "request_success_total", finished_reason="length") == 4
+    assert d.moved(e + "prompt_tokens_total") == 4 * 40
+    assert d.moved(e + "generation_tokens_total") == 4 * 5
+    assert d.moved(e + "cached_prompt_tokens_total") == 32
+    assert after(e + "prefix_cache_queries_total") == 4 * 40  # this core's own counters
+    assert after(e + "prefix_cache_hits_total") == 32
+    assert after(e + "num_preemptions_total") == 0
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert d.moved(e + hist + "_count") == 4, hist
+    assert d.moved(e + "inter_token_latency_seconds_count") == 4 * 4  # one per step after the first
+    assert d.moved(e + "request_prompt_tokens_sum") == 160 and d.moved(e + "request_prompt_tokens_count") == 4
+    assert d.moved(e + "request_generation_tokens_sum") == 20
+    assert d.moved(e + "request_prompt_tokens_bucket", le="50.0") == 4
+    assert d.moved(e + "request_prompt_tokens_bucket", le="20.0") == 0
+    assert after(e + "num_requests_running") == 0 and after(e + "num_requests_waiting") == 0
+    assert after(e + "kv_cache_usage_perc") == 0.0
+    assert (e + "spec_decode_num_drafts_total", ()) not in after.values  # no draft service
+    assert (e + "kv_lookups_total", ()) not in after.values  # no KV-cache service
+
+
+async def test_speculative_decoding_counters(tiny, metrics_url):
+    # A drafter that knows the greedy continuation: every draft is accepted. With 4 drafts per
+    # step and 12 tokens: prefill emits 1, two steps verify 4 drafts and emit 5 each, the last
+    # token is a plain step (no room for drafts) -> 2 drafts, 8 draft tokens, 8 accepted.
+    ids = prompt(3, 30)
+    reference = run_all(make_core(tiny), {"r": ids}, greedy(12, ignore_eos=True))["r"]["tokens"]
+    full = ids + reference
+    fake = FakeDraftService(lambda rid, history, k: full[len(history):len(history) + k])
+    try:
+        core = make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, spec_max_draft_tokens=4)
+        with instrumented(core) as engine:
+            d = Deltas(metrics_url)
+            final = await generate(engine, ids, max_tokens=12)
+            after = await asyncio.to_thread(d.rescrape)
+        core.drafts.close()
+    finally:
+        fake.stop()
+
+    e = "kvmesh_engine_"
+    assert (final.spec.steps, final.spec.draft_tokens, final.spec.accepted_tokens) == (2, 8, 8)
+    assert after(e + "spec_decode_num_drafts_total") == 2
+    assert after(e + "spec_decode_num_draft_tokens_total") == 8
+    assert after(e + "spec_decode_num_accepted_tokens_total") == 8
+    assert after(e + "spec_draft_failures_total") == 0 and after(e + "spec_resyncs_total") == 0
+    assert d.moved(e + "spec_propose_seconds_count") == core.drafts.stats.calls == 2
+    assert d.moved(e + "generation_tokens_total") == 12
+    assert d.moved(e + "inter_token_latency_seconds_count") == 3  # 4 emitting steps: 1, 5, 5, 1 tokens
+
+
+def blob_bytes(loaded) -> int:
+    """Size of one exported chunk of the tiny model with fp16, no zstd (independent of values)."""
+    c = loaded.config
+    k = torch.zeros(c.num_layers, CHUNK, c.num_kv_heads, c.head_dim)
+    ns = make_namespace(loaded.identity, kv_layout(loaded), "")
+    return len(codec.encode(k, k, codec.ChunkMeta(ns, (1,) * CHUNK), codec.CodecSpec("fp16", zstd=False)))
+
+
+def kv_engine(loaded, address: str):
+    return make_core(loaded, num_blocks=64, block_size=16, max_num_batched_tokens=256, kvcache_address=address,
+                     kv_chunk_tokens=CHUNK, kv_codec="fp16", kv_zstd=False, kv_timeout_s=5.0)
+
+
+@contextlib.asynccontextmanager
+async def kv_service(tmp_path, memory_bytes: int):
+    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", memory_bytes=memory_bytes,
+                        disk_map_bytes=64 << 20, max_entry_bytes=1 << 20)
+    async with serving(cfg) as served:
+        collector = kvcache_metrics.register_store(served.servicer)
+        try:
+            yield served
+        finally:
+            REGISTRY.unregister(collector)
+
+
+async def test_kv_service_and_engine_link_counters(tiny, metrics_url, tmp_path):
+    # A 100-token prompt is 3 chunks of 32. The memory tier holds 2.5 chunks, the disk all.
+    # Engine 1: Lookup (0 found), then 3 Puts; the memory tier evicts chunk 0 to take chunk 2.
+    # Engine 2 (empty caches): Lookup finds 3 (memory 1-2, disk 0), one Get of 3 keys: memory
+    # hits 1-2 and misses 0, disk hits 0, which is promoted into memory and evicts chunk 1.
+    size = blob_bytes(tiny)
+    ids = prompt(5, 100)
+    async with kv_service(tmp_path, memory_bytes=size * 5 // 2) as kv:
+        d = Deltas(metrics_url)
+        with instrumented(kv_engine(tiny, kv.address)) as first:
+            cold = await generate(first, ids)
+            assert await asyncio.to_thread(first.core.kv.flush)
+            one = await asyncio.to_thread(scrape, metrics_url)
+            await first.core.kv.close()
+        with instrumented(kv_engine(tiny, kv.address)) as second:
+            warm = await generate(second, ids)
+            assert await asyncio.to_thread(second.core.kv.flush)
+            two = await asyncio.to_thread(d.rescrape)
+            await second.core.kv.close()
+
+    assert (cold.usage.cached_prompt_tokens, warm.usage.cached_prompt_tokens) == (0, 96)
+    k = "kvmesh_kvcache_"
+    assert d.moved(k + "lookup_requests_total") == 2
+    assert d.moved(k + "lookup_chunks_total") == 6 and d.moved(k + "lookup_tokens_total") == 6 * CHUNK
+    assert d.moved(k + "lookup_hit_chunks_total") == 3 and d.moved(k + "lookup_hit_tokens_total") == 3 * CHUNK
+    assert d.moved(k + "get_requests_total") == 1
+    assert d.moved(k + "get_chunks_total") == 3 and d.moved(k + "get_hit_chunks_total") == 3
+    assert d.moved(k + "read_bytes_total") == 3 * size
+    assert d.moved(k + "put_requests_total") == 3 and d.moved(k + "written_bytes_total") == 3 * size
+    # The store as the scrape saw it (this service's tiers only).
+    tier = {name: {t: two(k + name, tier=t) for t in ("memory", "disk")} for name in (
+        "tier_entries", "tier_bytes", "tier_capacity_bytes", "tier_hits_total", "tier_misses_total",
+        "tier_evictions_total", "tier_errors_total")}
+    assert tier["tier_entries"] == {"memory": 2, "disk": 3}
+    assert tier["tier_bytes"] == {"memory": 2 * size, "disk": 3 * size}
+    assert tier["tier_capacity_bytes"]["memory"] == size * 5 // 2
+    assert tier["tier_hits_total"] == {"memory": 2, "disk": 1}
+    assert tier["tier_misses_total"] == {"memory": 1, "disk": 0}
+    assert tier["tier_evictions_total"] == {"memory": 2, "disk": 0}
+    assert tier["tier_errors_total"] == {"memory": 0, "disk": 0}
+    assert two(k + "corrupt_entries_total") == 0
+    # The same calls as the RPC layer counted them.
+    for method, calls in (("Lookup", 2), ("Get", 1), ("Put", 3)):
+        assert d.moved("kvmesh_rpc_server_handled_total", grpc_service=KVCACHE, grpc_method=method,
+                       grpc_code="OK") == calls, method
+    # Each engine's link, as its own collector saw it while registered.
+    e = "kvmesh_engine_"
+    assert [one(e + f) for f in ("kv_lookups_total", "kv_fetched_chunks_total", "kv_exported_chunks_total")] == [1, 0, 3]
+    assert [two(e + f) for f in ("kv_lookups_total", "kv_fetched_chunks_total", "kv_exported_chunks_total")] == [1, 3, 0]
+    assert two(e + "kv_fetch_failures_total") == 0 and two(e + "kv_bad_blobs_total") == 0
+    assert d.moved(e + "cached_prompt_tokens_total") == 96  # imported, not the engine's prefix cache
+    assert two(e + "prefix_cache_queries_total") == 100 and two(e + "prefix_cache_hits_total") == 0
+
+
+async def test_blending_counters(tiny, metrics_url, tmp_path):
+    # Two 64-token documents (2 chunks each). The first prompt stores them by content; the
+    # second holds them in the other order behind another header: 128 tokens blended, 25% of
+    # them (32) recomputed.
+    docs = {"a": prompt(11, 64), "b": prompt(12, 64)}
+
+    def parts(first: str, second: str, head: list[int]):
+        return [Tokens(tuple(head)), InlineDocument(tuple(docs[first])), Tokens((9, 9)),
+                InlineDocument(tuple(docs[second])), Tokens((3, 4, 5, 6))]
+
+    async with kv_service(tmp_path, memory_bytes=64 << 20) as kv:
+        with instrumented(kv_engine(tiny, kv.address)) as engine:
+            d = Deltas(metrics_url)
+            cold = await generate(engine, parts=parts("a", "b", prompt(20, 8)), recompute_ratio=0.25)
+            assert await asyncio.to_thread(engine.core.kv.flush)
+            warm = await generate(engine, parts=parts("b", "a", prompt(30, 5)), recompute_ratio=0.25)
+            await asyncio.to_thread(d.rescrape)
+            await engine.core.kv.close()
+
+    assert (cold.documents.blended_tokens, warm.documents.blended_tokens) == (0, 128)
+    assert warm.documents.recomputed_tokens == 32
+    e = "kvmesh_engine_"
+    assert d.moved(e + "blend_prompts_total") == 1
+    assert d.moved(e + "blend_tokens_total") == 128
+    assert d.moved(e + "blend_recomputed_tokens_total") == 32
+    assert d.moved(e + "request_success_total", finished_reason="length") == 2
+    assert d.moved(e + "prompt_tokens_total") == (8 + 64 + 2 + 64 + 4) + (5 + 64 + 2 + 64 + 4)
+
+
+def test_gateway_counters(metrics_url):
+    # 3 completions of a 4-token prompt, 3 tokens each, 2 of them cached upstream; then one
+    # request for a model that does not exist.
+    with GatewayHarness() as h:
+        h.state.cached_tokens = 2
+        d = Deltas(metrics_url)
+        with httpx.Client(base_url=h.base_url, timeout=10) as client:
+            for _ in range(3):
+                r = client.post("/completions", json={"model": MODEL, "prompt": "abcd", "max_tokens": 3})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert client.post("/completions", json={"model": "nope", "prompt": "abcd"}).status_code == 404
+        d.rescrape()
+
+    g, ep = "kvmesh_gateway_", "/v1/completions"
+    assert d.moved(g + "requests_total", endpoint=ep, status="200", tenant="default") == 3
+    assert d.moved(g + "requests_total", endpoint=ep, status="404", tenant="default") == 1
+    assert d.moved(g + "tokens_total", kind="prompt") == 3 * 4
+    assert d.moved(g + "tokens_total", kind="completion") == 3 * 3
+    assert d.moved(g + "tokens_total", kind="cached") == 3 * 2
+    assert d.moved(g + "request_seconds_count", endpoint=ep) == 4
+    assert d.moved(g + "ttft_seconds_count", endpoint=ep) == 3
+    assert d.after(g + "inflight_requests") == 0 and d.after(g + "inflight_prompt_tokens") == 0
