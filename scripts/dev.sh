@@ -50,12 +50,19 @@ case "${1:-}" in
   test)
     shift
     setup test
-    # The shared Redis tier is tested against a real redis-server (Debian's package); without
-    # one, those tests skip and say why.
-    if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      echo "[kvmesh] installing redis-server (Debian package) for the Redis-tier tests" >&2
-      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
-        || echo "[kvmesh] could not install redis-server; the Redis-tier tests will skip" >&2
+    # Debian packages some tests use, installed when missing and running as root; without one,
+    # its tests skip and say why. redis-server: the shared Redis tier is tested against a real one.
+    # docker-compose (v1): validates compose/docker-compose.yml offline (`config -q`, no engine).
+    missing=()
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+    if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      apt-get update -qq >/dev/null 2>&1 || true
+      for pkg in "${missing[@]}"; do  # one at a time: a package that fails leaves the others
+        echo "[kvmesh] installing $pkg (Debian package) for the tests that use it" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null 2>&1 \
+          || echo "[kvmesh] could not install $pkg; the tests that need it will skip" >&2
+      done
     fi
     # -p no:cacheprovider: CI runs in a fresh clone; nothing to gain from a cache dir.
     exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
