@@ -77,6 +77,7 @@ class AsyncEngine:
         self._draining = False
         self._idle: asyncio.Event | None = None  # set when draining and the last stream ends
         self.on_step = None  # optional callback(core, outputs, seconds) for metrics
+        self.on_abort = None  # optional callback(final output) for requests aborted between steps
         built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(build, built),
                                         name="engine-step-loop", daemon=True)
@@ -307,6 +308,8 @@ class AsyncEngine:
                     out = self.core.abort(payload)  # type: ignore[arg-type]
                     if out is not None:
                         self._deliver(out, out.request_id)
+                        if self.on_abort is not None:
+                            self.on_abort(out)
             self._inbox.clear()
             self._load = self.core.load()
         for job in blend_probes:  # outside the lock: a probe is a layer over the whole prompt

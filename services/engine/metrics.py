@@ -98,6 +98,15 @@ class StepMetrics:
             self._last_emit = {rid: t for rid, t in self._last_emit.items() if rid in live}
 
 
+    def aborted(self, out: RequestOutput) -> None:
+        """A request aborted between steps (client gone, deadline): `request_success{abort}` and
+        its prompt tokens, as vLLM counts aborted requests."""
+        self._last_emit.pop(out.request_id, None)
+        if out.usage is not None:
+            PROMPT_TOKENS.inc(out.usage.prompt_tokens)
+            REQUESTS.labels(out.finish_reason).inc()
+
+
 def _record_finished(out: RequestOutput) -> None:
     usage = out.usage
     PROMPT_TOKENS.inc(usage.prompt_tokens)
@@ -173,6 +182,7 @@ def instrument(engine: AsyncEngine, registry: CollectorRegistry = REGISTRY) -> C
     registers (and returns) its core's collector in `registry` (one engine per registry)."""
     core = engine.core
     engine.on_step = StepMetrics()
+    engine.on_abort = engine.on_step.aborted
     if core.drafts is not None:
         core.drafts.on_propose = PROPOSE.observe
     collector = CoreCollector(core)

@@ -300,3 +300,23 @@ def test_gateway_counters(metrics_url):
     assert d.moved(g + "request_seconds_count", endpoint=ep) == 4
     assert d.moved(g + "ttft_seconds_count", endpoint=ep) == 3
     assert d.after(g + "inflight_requests") == 0 and d.after(g + "inflight_prompt_tokens") == 0
+
+
+async def test_an_aborted_request_counts_as_abort(tiny, metrics_url):
+    """A client that goes away mid-stream: request_success{abort} and its prompt tokens."""
+    import threading
+
+    core = make_core(tiny, num_blocks=64, block_size=16, max_num_batched_tokens=256)
+    with instrumented(core) as engine:
+        applied = threading.Event()
+        hook = engine.on_abort
+        engine.on_abort = lambda out: (hook(out), applied.set())
+        d = Deltas(metrics_url)
+        stream = engine.generate(prompt(3, 24), greedy(50, ignore_eos=True))
+        first = await stream.__anext__()  # one output, then the client leaves
+        await stream.aclose()
+        assert not first.finished
+        assert await asyncio.to_thread(applied.wait, 10)  # the step loop applied the abort
+        await asyncio.to_thread(d.rescrape)
+        assert d.moved("kvmesh_engine_request_success_total", finished_reason="abort") == 1
+        assert d.moved("kvmesh_engine_prompt_tokens_total") == 24
