@@ -248,11 +248,11 @@ async def _search(kv_address: str, namespace: bytes, query: str, k: int) -> list
 def _quality_rows(loaded, prompts, ids, sep) -> list[dict]:
     import torch
 
-    from kvmesh.kv.blend import Segment, blend_prefill, continuation_logprobs, segment_kv
+    from kvmesh.kv.blend import SELECTIONS, Segment, blend_prefill, continuation_logprobs, segment_kv
 
     model = loaded.model
     doc_kv = {name: segment_kv(model, ids[name]) for name in QUESTIONS}
-    ppl: dict[object, list[float]] = {}
+    ppl: dict[tuple, list[float]] = {}
     for p in prompts:
         full = blend_prefill(model, [Segment.new(p.ids(ids, sep))], recompute_ratio=1.0)
         base = _ppl(continuation_logprobs(model, full.k, full.v, full.logits, p.answer))
@@ -263,13 +263,17 @@ def _quality_rows(loaded, prompts, ids, sep) -> list[dict]:
             segments.append(Segment.cached(ids[d], *doc_kv[d]))
         segments.append(Segment.new(p.tail))
         for ratio in RATIOS:
-            res = blend_prefill(model, segments, recompute_ratio=ratio)
-            val = _ppl(continuation_logprobs(model, res.k, res.v, res.logits, p.answer))
-            ppl.setdefault(ratio, []).append(100.0 * (val / base - 1.0))
+            for selection in SELECTIONS:
+                res = blend_prefill(model, segments, recompute_ratio=ratio, selection=selection)
+                val = _ppl(continuation_logprobs(model, res.k, res.v, res.logits, p.answer))
+                ppl.setdefault((ratio, selection), []).append(100.0 * (val / base - 1.0))
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     rows = [row("ppl_delta_pct", 0.0, "%", mode="full", recompute_ratio=1.0),
             row("ppl_delta_pct", 0.0, "%", mode="prefix")]
-    rows += [row("ppl_delta_pct", statistics.fmean(v), "%", mode="blend", recompute_ratio=r) for r, v in ppl.items()]
+    # The engine's default selection (deviation+attention) as the plain blend rows, CacheBlend's
+    # deviation-only selection beside it.
+    rows += [row("ppl_delta_pct", statistics.fmean(v), "%", mode="blend", recompute_ratio=r,
+                 **({} if sel == "deviation+attention" else {"selection": sel})) for (r, sel), v in ppl.items()]
     return rows
 
 
@@ -311,8 +315,9 @@ def _plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def get(metric, mode, ratio=None):
+    def get(metric, mode, ratio=None, selection=None):
         return next((r["value"] for r in rows if r["metric"] == metric and r.get("mode") == mode
+                     and r.get("selection") == selection
                      and (ratio is None or r.get("recompute_ratio") == ratio)), None)
 
     xs = list(RATIOS)
@@ -324,6 +329,9 @@ def _plot(rows: list[dict], png: Path) -> None:
     a.set_ylabel("mean TTFT (s)")
     a.legend()
     b.plot(xs, [get("ppl_delta_pct", "blend", x) for x in xs], "o-", label="Δ perplexity (%)")
+    b.plot(xs, [get("ppl_delta_pct", "blend", x, "deviation") for x in xs], "o:", color="tab:blue", alpha=0.5,
+           label="Δ perplexity, deviation-only selection")
+    b.legend(loc="upper right")
     b2 = b.twinx()
     b2.plot(xs, [get("greedy_agree", "blend", x) for x in xs], "s--", color="tab:orange", label="greedy agree")
     b.set_xlabel("recompute ratio")

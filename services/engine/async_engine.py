@@ -230,7 +230,8 @@ class AsyncEngine:
     def _start_probe(self, token_ids: list[int]) -> BlendPrefill:
         """A blend whose first stage the step loop runs at its next boundary (while the
         documents' KV is still being fetched here)."""
-        job = BlendPrefill(self.core.loaded.model, token_ids, self.core.blend_config.select_layers)
+        cfg = self.core.blend_config
+        job = BlendPrefill(self.core.loaded.model, token_ids, cfg.select_layers, cfg.selection)
         self._post("blend-probe", job)
         return job
 

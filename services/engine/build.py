@@ -48,7 +48,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
     return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching,
                       kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
                       spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens),
-                      blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers))
+                      blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers, cfg.blend_selection))
 
 
 def build_draft_client(cfg: EngineConfig, loaded: LoadedModel) -> DraftClient | None:

@@ -70,6 +70,8 @@ class BlendConfig:
     """Share of reused document tokens recomputed, for requests that set none."""
     select_layers: int = 1
     """Leading layers run over every token to choose which to recompute."""
+    selection: str = "deviation+attention"
+    """kvmesh.kv.blend.SELECTIONS: how the recomputed tokens are chosen."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,8 @@ class EngineCore:
         """Queues a validated request (ResourceExhausted when the queue is full)."""
         salt = req.cache_salt
         if req.blend is not None:  # blended KV is not exact: its blocks only match the same blend
-            salt += f"\0blend:{req.blend.recompute_ratio:.4f}:{self.blend_config.select_layers}".encode()
+            salt += (f"\0blend:{req.blend.recompute_ratio:.4f}:{self.blend_config.select_layers}:"
+                     f"{self.blend_config.selection}").encode()
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
                        params=req.params, arrival_time=req.arrival_time, cache_salt=salt,
                        needs_prompt_logprobs=req.params.prompt_logprobs is not None)
@@ -372,7 +375,7 @@ class EngineCore:
             res = plan.job.finish(plan.segments, plan.recompute_ratio)
         else:
             res = blend_prefill(self.loaded.model, plan.segments, plan.recompute_ratio,
-                                self.blend_config.select_layers)
+                                self.blend_config.select_layers, self.blend_config.selection)
         n = (seq.num_prompt_tokens - 1) // self.runner.block_size * self.runner.block_size
         if n:
             seq.external_kv, seq.external_start, seq.external_tokens = (res.k[:, :n], res.v[:, :n]), 0, n

@@ -109,7 +109,8 @@ def test_selection_picks_the_largest_deviation(model, select_layers):
     k, v = seg.k.clone(), seg.v.clone()
     v[1, 11] += 5.0 * v[1].std()  # a damaged reused value on layer 1 (one the probe compares)
     segments[2] = Segment.cached(seg.token_ids, k, v)
-    res = blend_prefill(model, segments, recompute_ratio=0.03, select_layers=select_layers)  # 2 of 72
+    res = blend_prefill(model, segments, recompute_ratio=0.03, select_layers=select_layers,
+                        selection="deviation")  # 2 of 72
     cached = ~torch.isnan(res.deviation)
     assert int(cached.sum()) == 72
     assert res.deviation.nan_to_num(-1).argmax().item() == target
@@ -198,3 +199,27 @@ def test_every_kv_position_is_written_before_it_is_read(model, monkeypatch):
     dirty = blend_prefill(model, segments, 0.15)
     assert torch.isfinite(dirty.k).all() and torch.isfinite(dirty.v).all()
     assert torch.equal(dirty.k, clean.k) and torch.equal(dirty.logits, clean.logits)
+
+
+def test_attention_aware_selection_keeps_the_deviation_signal_and_weighs_what_the_end_reads(model):
+    """deviation+attention: a token whose reused KV is badly off is still recomputed; the choice
+    among the rest follows what the prompt's last tokens attend to, so it differs from deviation
+    alone; both selections keep ratio 0 and 1 exact."""
+    from kvmesh.kv.blend import SELECTIONS
+
+    segments = _prompt(model, seed=3)
+    seg = segments[2]
+    target = len(segments[0].token_ids) + len(segments[1].token_ids) + 11
+    v = seg.v.clone()
+    v[1, 11] += 5.0 * v[1].std()
+    segments[2] = Segment.cached(seg.token_ids, seg.k, v)
+    both = blend_prefill(model, segments, 0.2, selection="deviation+attention")
+    alone = blend_prefill(model, segments, 0.2, selection="deviation")
+    assert target in both.recomputed.tolist() and target in alone.recomputed.tolist()
+    assert len(both.recomputed) == len(alone.recomputed)
+    assert both.recomputed.tolist() != alone.recomputed.tolist()
+    for selection in SELECTIONS:
+        full = blend_prefill(model, segments, 1.0, selection=selection)
+        assert len(full.recomputed) == sum(len(x.token_ids) for x in segments)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        blend_prefill(model, segments, 0.2, selection="random")
