@@ -29,42 +29,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.kv.blend import Segment
 from kvmesh.kv.keys import document_chunks
+from kvmesh.prompt_parts import CatalogDocument, InlineDocument, Part, Retrieval, Tokens
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIEVE = 16
-
-
-@dataclass(frozen=True)
-class Tokens:
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class InlineDocument:
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CatalogDocument:
-    document_id: str
-
-
-@dataclass(frozen=True)
-class Retrieval:
-    query: str
-    k: int
-    separator: tuple[int, ...] = ()
-
-
-Part = Union[Tokens, InlineDocument, CatalogDocument, Retrieval]
 
 
 def check_parts(parts: list[Part]) -> None:

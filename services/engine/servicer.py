@@ -14,9 +14,9 @@ from opentelemetry import trace
 from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
+from kvmesh.prompt_parts import Part, part_from_proto
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import RequestOutput
-from kvmesh.services.engine.documents import CatalogDocument, InlineDocument, Part, Retrieval, Tokens
 from kvmesh.services.engine.sampler import TokenLogprobs
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
@@ -81,17 +81,10 @@ def parts_from_proto(prompt: engine_pb2.Prompt) -> list[Part]:
     _reject_unknown_fields(prompt, "parts")
     out: list[Part] = []
     for i, p in enumerate(prompt.parts):
-        which = p.WhichOneof("part")
-        if which == "tokens":
-            out.append(Tokens(tuple(p.tokens.ids)))
-        elif which == "document":
-            out.append(InlineDocument(tuple(p.document.ids)))
-        elif which == "document_id":
-            out.append(CatalogDocument(p.document_id))
-        elif which == "retrieve":
-            out.append(Retrieval(p.retrieve.query, int(p.retrieve.k), tuple(p.retrieve.separator.ids)))
-        else:
+        part = part_from_proto(p)
+        if part is None:
             raise InvalidArgument(f"parts[{i}] is empty; set tokens, document, document_id or retrieve")
+        out.append(part)
     return out
 
 

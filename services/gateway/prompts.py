@@ -22,10 +22,12 @@ import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from kvmesh.model.tokenizer import Tokenizer
 from kvmesh.services.gateway.errors import invalid
+from kvmesh import prompt_parts
+from kvmesh.prompt_parts import CatalogDocument, InlineDocument, Part, Tokens
 from kvmesh.services.gateway.spec import ChatTurn, DocumentRef, Retrieval
 
 log = logging.getLogger(__name__)
@@ -56,39 +58,6 @@ DOCUMENT_SEPARATOR = "\n\n"
 
 
 @dataclass(frozen=True)
-class TokensPart:
-    """Plain prompt tokens: chat template, instructions, the question."""
-
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class InlineDocument:
-    """A document sent as text, tokenized alone."""
-
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CatalogDocument:
-    """A document of the KV service's catalog, resolved by the engine."""
-
-    document_id: str
-
-
-@dataclass(frozen=True)
-class RetrievedDocuments:
-    """The `k` catalogued documents nearest to `query`, `separator` between them."""
-
-    query: str
-    k: int
-    separator: tuple[int, ...]
-
-
-PromptPart = Union[TokensPart, InlineDocument, CatalogDocument, RetrievedDocuments]
-
-
-@dataclass(frozen=True)
 class PreparedPrompt:
     """One prompt ready to send: its token ids and its text (chat template applied).
 
@@ -98,19 +67,19 @@ class PreparedPrompt:
 
     token_ids: tuple[int, ...]
     text: str
-    parts: tuple[PromptPart, ...] = ()
+    parts: tuple[Part, ...] = ()
 
     @property
     def known_tokens(self) -> int:
         """The prompt tokens the gateway knows: a document prompt's plain and inline parts."""
         if not self.parts:
             return len(self.token_ids)
-        return sum(len(p.ids) for p in self.parts if isinstance(p, (TokensPart, InlineDocument)))
+        return sum(len(p.ids) for p in self.parts if isinstance(p, (Tokens, InlineDocument)))
 
     @property
     def all_known(self) -> bool:
         """Every prompt token is known here (no catalogued or retrieved documents)."""
-        return not any(isinstance(p, (CatalogDocument, RetrievedDocuments)) for p in self.parts)
+        return not any(isinstance(p, (CatalogDocument, prompt_parts.Retrieval)) for p in self.parts)
 
 
 class PromptBuilder:
@@ -149,7 +118,7 @@ class PromptBuilder:
                           "documents" if documents else "retrieve")
         before, after = rendered.split(sentinel)
         separator = tuple(await self._encode(DOCUMENT_SEPARATOR, special=False))
-        parts: list[PromptPart] = [TokensPart(tuple(await self._encode(before, special=False)))]
+        parts: list[Part] = [Tokens(tuple(await self._encode(before, special=False)))]
         text = [before]
         for doc in documents:
             if doc.text is not None:
@@ -157,14 +126,14 @@ class PromptBuilder:
                 text.append(doc.text + DOCUMENT_SEPARATOR)
             else:
                 parts.append(CatalogDocument(doc.id or ""))
-            parts.append(TokensPart(separator))
+            parts.append(Tokens(separator))
         if retrieve is not None:
             query = user.content if retrieve.query is None else retrieve.query
-            parts += [RetrievedDocuments(query, retrieve.top_k, separator), TokensPart(separator)]
-        parts.append(TokensPart(tuple(await self._encode(after, special=False))))
+            parts += [prompt_parts.Retrieval(query, retrieve.top_k, separator), Tokens(separator)]
+        parts.append(Tokens(tuple(await self._encode(after, special=False))))
         text.append(after)
         return PreparedPrompt((), "".join(text),
-                              tuple(p for p in parts if not isinstance(p, TokensPart) or p.ids))
+                              tuple(p for p in parts if not isinstance(p, Tokens) or p.ids))
 
     def _render(self, messages: tuple[ChatTurn, ...]) -> str:
         turns: list[dict[str, Any]] = []

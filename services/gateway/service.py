@@ -32,15 +32,8 @@ from kvmesh.services.gateway import metrics
 from kvmesh.services.gateway.admission import Admission, Rejection, Ticket
 from kvmesh.services.gateway.auth import KeyStore, Tenant
 from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
-from kvmesh.services.gateway.prompts import (
-    CatalogDocument,
-    InlineDocument,
-    PreparedPrompt,
-    PromptBuilder,
-    PromptPart,
-    RetrievedDocuments,
-    TokensPart,
-)
+from kvmesh.prompt_parts import part_to_proto
+from kvmesh.services.gateway.prompts import PreparedPrompt, PromptBuilder
 from kvmesh.services.gateway.spec import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChoiceDelta,
@@ -327,7 +320,7 @@ class Gateway:
         upstream = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
                                               cache_salt=tenant.cache_salt)
         if prompt.parts:
-            upstream.parts.parts.extend(_part_proto(p) for p in prompt.parts)
+            upstream.parts.parts.extend(part_to_proto(p) for p in prompt.parts)
             if req.recompute_ratio is not None:
                 upstream.blend.recompute_ratio = req.recompute_ratio
         else:
@@ -336,14 +329,3 @@ class Gateway:
                                           prompt_text=prompt.text)
         return ChoiceJob(index, prompt_index, request, echo)
 
-
-def _part_proto(part: PromptPart) -> engine_pb2.PromptPart:
-    if isinstance(part, TokensPart):
-        return engine_pb2.PromptPart(tokens=engine_pb2.TokenIds(ids=part.ids))
-    if isinstance(part, InlineDocument):
-        return engine_pb2.PromptPart(document=engine_pb2.TokenIds(ids=part.ids))
-    if isinstance(part, CatalogDocument):
-        return engine_pb2.PromptPart(document_id=part.document_id)
-    assert isinstance(part, RetrievedDocuments)
-    return engine_pb2.PromptPart(retrieve=engine_pb2.Retrieve(
-        query=part.query, k=part.k, separator=engine_pb2.TokenIds(ids=part.separator)))

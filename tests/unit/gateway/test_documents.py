@@ -159,8 +159,8 @@ async def test_parts_with_the_bundled_tokenizer():
     [im_start] = enc("<|im_start|>")
     sep = enc("\n\n")
     kinds = [type(part).__name__ for part in p.parts]
-    assert kinds == ["TokensPart", "InlineDocument", "TokensPart", "CatalogDocument",
-                     "TokensPart", "RetrievedDocuments", "TokensPart", "TokensPart"]
+    assert kinds == ["Tokens", "InlineDocument", "Tokens", "CatalogDocument",
+                     "Tokens", "Retrieval", "Tokens", "Tokens"]
     assert p.parts[0].ids == enc(before) and p.parts[0].ids[0] == im_start
     assert p.parts[1].ids == enc("X is a letter.") and p.parts[2].ids == sep
     assert p.parts[3].document_id == "cat-7"
