@@ -197,9 +197,8 @@ class AsyncEngine:
             raise InvalidArgument("IngestDocument: document_id is empty; name the document")
         if not token_ids:
             raise InvalidArgument("IngestDocument: the document is empty; send text or token ids")
-        ttl = ttl_s if ttl_s is not None else None
-        if ttl is not None and not ttl > 0:
-            raise InvalidArgument(f"IngestDocument: ttl_s must be > 0 seconds, got {ttl}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"IngestDocument: ttl_s must be > 0 seconds, got {ttl_s}")
         namespace = kv.namespace(cache_salt)
         chunks = document_chunks(token_ids, kv.config.chunk_tokens, namespace)
         present = await kv.lookup([key for _, _, key in chunks])
@@ -224,7 +223,7 @@ class AsyncEngine:
         await kv.put_document(kvcache_pb2.PutDocumentRequest(
             namespace=namespace, document_id=document_id, metadata=metadata or {},
             text=text or self.core.tokenizer.decode(token_ids), token_ids=token_ids,
-            chunk_keys=[key for _, _, key in chunks], ttl_s=ttl, pinned=pinned))
+            chunk_keys=[key for _, _, key in chunks], ttl_s=ttl_s, pinned=pinned))
         return len(token_ids), len(chunks), len(chunks) - len(missing)
 
     def _start_probe(self, token_ids: list[int]) -> BlendPrefill:

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import grpc
 import torch
@@ -212,28 +212,15 @@ class KvConnector:
         dest = (torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
         loop = asyncio.get_running_loop()
         decodes: list[asyncio.Future] = []
-        parts: list[bytes] = []
-        header = None
-        got = 0
         call = stub.Get(pb.GetRequest(keys=plan.keys[first:n]), timeout=self.config.timeout_s)
-        async for msg in call:
-            if msg.HasField("header"):
-                if not msg.header.found:
-                    break  # evicted since Lookup: import what came before it
-                header, parts, got = msg.header, [], 0
-                continue
-            parts.append(msg.data)
-            got += len(msg.data)
-            if header is not None and got >= header.total_bytes:
-                blob = b"".join(parts)
-                if len(blob) != header.total_bytes or transfer.checksum(blob) != header.checksum:
-                    break  # damaged in transit: import what came before it
-                i = len(decodes)
-                pos = (first + i) * chunk
-                decodes.append(loop.run_in_executor(
-                    self._codec_pool, self._decode_into, blob, prompt[pos:pos + chunk],
-                    plan.namespace, dest, i * chunk, pos))
-                header = None
+        async for blob in _received_blobs(call):
+            if blob is None:
+                break  # evicted since Lookup, or damaged in transit: import what came before it
+            i = len(decodes)
+            pos = (first + i) * chunk
+            decodes.append(loop.run_in_executor(
+                self._codec_pool, self._decode_into, blob, prompt[pos:pos + chunk],
+                plan.namespace, dest, i * chunk, pos))
         call.cancel()  # no-op when the stream ended
         streamed = time.perf_counter()
         ok = 0
@@ -294,22 +281,14 @@ class KvConnector:
             return out
         loop = asyncio.get_running_loop()
         decodes: dict[int, asyncio.Future] = {}
-        i, header, parts, got = -1, None, [], 0
         try:
             call = self._stub().Get(pb.GetRequest(keys=[k for k, _ in chunks]), timeout=self.config.timeout_s)
-            async for msg in call:
-                if msg.HasField("header"):
-                    i += 1
-                    header, parts, got = (msg.header if msg.header.found else None), [], 0
-                    continue
-                parts.append(msg.data)
-                got += len(msg.data)
-                if header is not None and got >= header.total_bytes:
-                    blob = b"".join(parts)
-                    if len(blob) == header.total_bytes and transfer.checksum(blob) == header.checksum:
-                        decodes[i] = loop.run_in_executor(self._codec_pool, self._decode_free, blob,
-                                                          chunks[i][1], namespace)
-                    header = None
+            i = 0
+            async for blob in _received_blobs(call):
+                if blob is not None:
+                    decodes[i] = loop.run_in_executor(self._codec_pool, self._decode_free, blob,
+                                                      chunks[i][1], namespace)
+                i += 1
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             self.stats.fetch_failures += 1
             log.warning("KV service unavailable for document chunks (%s); computing them", _describe(err))
@@ -418,6 +397,26 @@ class KvConnector:
         self._codec_pool.shutdown(wait=False)
         if self._aio_channel is not None:
             await self._aio_channel.close()
+
+
+async def _received_blobs(call) -> AsyncIterator[bytes | None]:
+    """Each entry of a Get stream, in request order: its blob, or None where the service does not
+    hold it or it arrived damaged (length or checksum)."""
+    header, parts, got = None, [], 0
+    async for msg in call:
+        if msg.HasField("header"):
+            if not msg.header.found:
+                header = None
+                yield None
+            else:
+                header, parts, got = msg.header, [], 0
+            continue
+        parts.append(msg.data)
+        got += len(msg.data)
+        if header is not None and got >= header.total_bytes:
+            blob = b"".join(parts)
+            yield blob if len(blob) == header.total_bytes and transfer.checksum(blob) == header.checksum else None
+            header = None
 
 
 def _describe(err: BaseException) -> str:
