@@ -205,9 +205,9 @@ async def _service_rows(address: str, kv_address: str, rag_namespace: bytes, pro
             reused = statistics.fmean(r[2].blended_tokens / r[2].usage.prompt_tokens for r in res)
             rows += [row("ttft_s", statistics.fmean(r[0] for r in res), "s", mode="blend", recompute_ratio=ratio),
                      row("reused_share", reused, "share", mode="blend", recompute_ratio=ratio)]
+        tags = {"full": dict(mode="full", recompute_ratio=1.0), "prefix": dict(mode="prefix")}
         for key, outs in outputs.items():
-            tag = dict(mode="blend", recompute_ratio=key) if key not in ("full", "prefix") else (
-                dict(mode="full", recompute_ratio=1.0) if key == "full" else dict(mode="prefix"))
+            tag = tags.get(key) or dict(mode="blend", recompute_ratio=key)
             rows.append(row("greedy_agree", statistics.fmean(_agree(o, f) for o, f in zip(outs, outputs["full"])),
                             "share", **tag))
         # retrieval: the catalog, then prompts that ask the engine to retrieve
@@ -246,8 +246,6 @@ async def _search(kv_address: str, namespace: bytes, query: str, k: int) -> list
 # ---- quality, in this process ----------------------------------------------------------------
 
 def _quality_rows(loaded, prompts, ids, sep) -> list[dict]:
-    import torch
-
     from kvmesh.kv.blend import SELECTIONS, Segment, blend_prefill, continuation_logprobs, segment_kv
 
     model = loaded.model
@@ -267,7 +265,6 @@ def _quality_rows(loaded, prompts, ids, sep) -> list[dict]:
                 res = blend_prefill(model, segments, recompute_ratio=ratio, selection=selection)
                 val = _ppl(continuation_logprobs(model, res.k, res.v, res.logits, p.answer))
                 ppl.setdefault((ratio, selection), []).append(100.0 * (val / base - 1.0))
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     rows = [row("ppl_delta_pct", 0.0, "%", mode="full", recompute_ratio=1.0),
             row("ppl_delta_pct", 0.0, "%", mode="prefix")]
     # The engine's default selection (deviation+attention) as the plain blend rows, CacheBlend's
