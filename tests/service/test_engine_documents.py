@@ -151,7 +151,7 @@ async def test_catalog_ingest_cite_and_retrieve(bundled_model, kv, texts):
 
     _, found = await run(eng, parts=[Tokens(head), Retrieval("where do rivers carry water", 1), Tokens(q)])
     assert found.documents.document_ids == ("rivers",)
-    assert found.documents.blended_tokens == len(tok.encode(docs["rivers"])) - 0
+    assert found.documents.blended_tokens == len(tok.encode(docs["rivers"]))
 
     with pytest.raises(NotFound, match="ingest it first"):
         await run(eng, parts=[Tokens(head), CatalogDocument("nope"), Tokens(q)])
