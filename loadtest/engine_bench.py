@@ -229,6 +229,8 @@ def run(quick: bool = False, engine_args: list[str] | None = None) -> list[dict]
     # int4 group-32 weights reproduce the bundled Q4_1 GGUF exactly (perplexity unchanged, see
     # `kvmesh bench quant`), at a quarter of fp32's bytes read per decoded token.
     rows += bench_kvmesh(plan, prompts, [*(engine_args or []), "--weights", "int4"], system="kvmesh-int4")
+    # int4 for one- and two-row matmuls, int8 x int8 (SmoothQuant) for batches, prefill and lm_head.
+    rows += bench_kvmesh(plan, prompts, [*(engine_args or []), "--weights", "int4-w8a8"], system="kvmesh-int4-w8a8")
     # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
     try:
         import llama_cpp  # noqa: F401

@@ -1,4 +1,4 @@
-"""Quality and speed of the weight formats (fp32, bf16, int8, int4) on the bundled model.
+"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8) on the bundled model.
 
 For each format: perplexity on the first 8192 tokens of ``kvmesh.model.reference_text()``
 (quick: 2048) with window 1024 / stride 512, its change against fp32, single-sequence greedy
@@ -20,7 +20,7 @@ import torch
 
 from kvmesh.model import AttentionMetadata, allocate_kv_cache, load_model, perplexity, reference_text
 
-FORMATS = (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "float32"), ("int4", "float32"))
+FORMATS = (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "float32"), ("int4", "float32"), ("int4-w8a8", "float32"))
 BLOCK_SIZE = 16
 
 

@@ -53,6 +53,7 @@ class AttentionMetadata:
     decode_tokens: torch.Tensor | None = None  # [D] long: flat token index of each decode row
     decode_blocks: torch.Tensor | None = None  # [D, nb] long: block ids covering the longest context
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb*block_size] bool: key position < context
+    decode_keys: int | None = None  # instead of decode_mask when every decode row has this context
     all_decode: bool = False  # every sequence decodes: outputs need no scatter
     prefills: list[_PrefillPlan] = field(default_factory=list)
     # Gather destinations reused by every layer of the step. A fresh tensor per layer would cost
@@ -97,8 +98,14 @@ class AttentionMetadata:
             nb = -(-max(c_lens[i] for i in self.decode_rows) // block_size)
             self.decode_tokens = torch.tensor([starts[i] for i in self.decode_rows], dtype=torch.long, device=dev)
             self.decode_blocks = self.block_tables.index_select(0, rows)[:, :nb]
-            keys = torch.arange(nb * block_size, device=dev)
-            self.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+            decode_ctx = {c_lens[i] for i in self.decode_rows}
+            if len(decode_ctx) == 1:
+                # Every decode row sees the same number of keys (one sequence, or a batch in
+                # step): attend to exactly those, no mask (a bool mask costs SDPA extra ops per layer).
+                self.decode_keys = decode_ctx.pop()
+            else:
+                keys = torch.arange(nb * block_size, device=dev)
+                self.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
 
         self.prefills = []
         for i, (q, c) in enumerate(zip(q_lens, c_lens)):
@@ -188,8 +195,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.decode_rows:
         qd = q if meta.all_decode else q.index_select(0, meta.decode_tokens)  # [D, heads, hd]
         qd = _fold_groups(qd[:, None], kvh)  # [D, kvh, g, hd]
-        kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k").transpose(1, 2)  # [D, kvh, L, hd]
-        vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v").transpose(1, 2)
+        kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k")[:, :meta.decode_keys].transpose(1, 2)  # [D, kvh, L, hd]
+        vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v")[:, :meta.decode_keys].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         od = _unfold_groups(od, 1)[:, 0]  # [D, heads, hd]
         if meta.all_decode:

