@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.model.config import ModelConfig
+from kvmesh.model.native import paged_decode_kernel
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -54,6 +55,7 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [D, nb] long: block ids covering the longest context
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb*block_size] bool: key position < context
     decode_keys: int | None = None  # instead of decode_mask when every decode row has this context
+    decode_ctx: torch.Tensor | None = None  # [D] long: context length of each decode row
     all_decode: bool = False  # every sequence decodes: outputs need no scatter
     prefills: list[_PrefillPlan] = field(default_factory=list)
     # Gather destinations reused by every layer of the step. A fresh tensor per layer would cost
@@ -97,7 +99,8 @@ class AttentionMetadata:
             ctx = torch.tensor([c_lens[i] for i in self.decode_rows], dtype=torch.long, device=dev)
             nb = -(-max(c_lens[i] for i in self.decode_rows) // block_size)
             self.decode_tokens = torch.tensor([starts[i] for i in self.decode_rows], dtype=torch.long, device=dev)
-            self.decode_blocks = self.block_tables.index_select(0, rows)[:, :nb]
+            self.decode_blocks = self.block_tables.index_select(0, rows)[:, :nb].contiguous()
+            self.decode_ctx = ctx
             decode_ctx = {c_lens[i] for i in self.decode_rows}
             if len(decode_ctx) == 1:
                 # Every decode row sees the same number of keys (one sequence, or a batch in
@@ -184,7 +187,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write the new keys/values into the cache, then attend. Returns [T, heads, hd].
 
-    q: [T, heads, hd]; k, v: [T, kv_heads, hd] (already rotated). Decode rows go through one
+    q: [T, heads, hd]; k, v: [T, kv_heads, hd] (already rotated). Decode rows go through the
+    native kernel that reads the cache in place (fp32 on CPU, kvmesh.model.native) or else one
     batched SDPA over gathered blocks with a padding mask; multi-token rows loop per sequence.
     """
     meta.prepare(k_cache.shape[1])
@@ -194,11 +198,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     if meta.decode_rows:
         qd = q if meta.all_decode else q.index_select(0, meta.decode_tokens)  # [D, heads, hd]
-        qd = _fold_groups(qd[:, None], kvh)  # [D, kvh, g, hd]
-        kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k")[:, :meta.decode_keys].transpose(1, 2)  # [D, kvh, L, hd]
-        vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v")[:, :meta.decode_keys].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        od = _unfold_groups(od, 1)[:, 0]  # [D, heads, hd]
+        native = paged_decode_kernel() if q.device.type == "cpu" and k_cache.dtype == torch.float32 else None
+        if native is not None:  # reads the blocks in place (kvmesh.model.native)
+            od = native(qd.contiguous(), k_cache, v_cache, meta.decode_blocks, meta.decode_ctx, scale)
+        else:
+            qd = _fold_groups(qd[:, None], kvh)  # [D, kvh, g, hd]
+            kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k")[:, :meta.decode_keys].transpose(1, 2)  # [D, kvh, L, hd]
+            vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v")[:, :meta.decode_keys].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+            od = _unfold_groups(od, 1)[:, 0]  # [D, heads, hd]
         if meta.all_decode:
             return od
         out.index_copy_(0, meta.decode_tokens, od)

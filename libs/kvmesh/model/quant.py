@@ -86,13 +86,13 @@ class W8A8Linear(nn.Module):
         # x: [..., K] -> [..., N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float() * self.inv_smooth  # [M, K]
-        amax = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [M, 1]
-        xq = x2.mul_(127.0 / amax).round_().to(torch.int8)
+        step = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # [M, 1] per-token step
+        xq = x2.div_(step).round_().to(torch.int8)
         if self._int_mm:
             acc = torch._int_mm(xq, self.qweight.t()).float()  # [M, N] exact int32 sums
         else:
             acc = (xq.double() @ self.qweight.double().t()).float()
-        y = acc.mul_(amax / 127.0).mul_(self.wscale)
+        y = acc.mul_(step).mul_(self.wscale)
         return y.to(x.dtype).view(*lead, self.out_features)
 
 
