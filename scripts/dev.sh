@@ -37,6 +37,9 @@ setup() {
   fi
   # gRPC stubs are generated from protos/ by the build, never committed.
   "$venv/bin/python" -m kvmesh.protogen
+  # The native decode-attention kernel: compiled once (~30 s) into the kvmesh cache, so neither
+  # the engine's first step nor a test pays for it; without a compiler the torch path runs.
+  "$venv/bin/python" -m kvmesh.model.native
 }
 
 case "${1:-}" in

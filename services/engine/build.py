@@ -12,6 +12,7 @@ from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import KvLayout
 from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
+from kvmesh.model.native import paged_decode_kernel
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import BlendConfig, EngineCore, SpecConfig
@@ -37,6 +38,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
     if loaded is None:
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weight_format)
     loaded = serve_layers(loaded, cfg)
+    if loaded.device.type == "cpu" and loaded.model_dtype == torch.float32:
+        paged_decode_kernel()  # built (or loaded from the cache) now, not on the first decode step
     num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size)
     max_len = cfg.max_model_len or loaded.config.max_position_embeddings

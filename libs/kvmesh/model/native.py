@@ -145,3 +145,9 @@ def paged_decode_kernel() -> Optional[Callable]:
             _kernel = None
         _tried = True
         return _kernel
+
+
+if __name__ == "__main__":  # `python -m kvmesh.model.native`: build (or find) the kernel now
+    logging.basicConfig(level=logging.INFO)
+    built = paged_decode_kernel()
+    print(f"native decode attention: {'ready in ' + str(_build_dir()) if built else 'unavailable, the torch path runs'}")
