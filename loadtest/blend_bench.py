@@ -14,7 +14,10 @@ and one engine (fp32, all cores), both on this machine, driven over gRPC.
 Rows:
 * ``mode`` = full (``recompute_ratio`` 1: nothing reused), prefix (the same documents were
   seen before in another order: the engine and the KV service reuse what the prefix allows), and
-  blend at ``recompute_ratio`` 0, 0.05, 0.15, 0.3 (documents stored by content beforehand);
+  blend at ``recompute_ratio`` 0, 0.05, 0.15, 0.3 (documents stored by content beforehand; the
+  engine keeps the chunks it fetched in its hot document LRU, so a document cited again is not
+  fetched again), and blend at 0.15 with ``hot_lru`` false (a second engine with
+  ``--kv-hot-bytes 0``: every prompt fetches its chunks from the KV service);
   metrics ``ttft_s`` (mean over prompts, through the engine's gRPC), ``greedy_agree`` (share of
   the 32 greedy output tokens equal to full prefill's, position by position) and
   ``ppl_delta_pct`` (perplexity of the reference answer over the same KV, against full prefill;
@@ -230,6 +233,21 @@ async def _service_rows(address: str, kv_address: str, rag_namespace: bytes, pro
     return rows, hits
 
 
+async def _fetch_rows(address: str, prompts, ids, sep) -> list[dict]:
+    """Blending at 15% on an engine without the hot document LRU: every prompt fetches its
+    documents' chunks from the KV service (what the first prompt citing a document pays)."""
+    import grpc
+
+    from kvmesh.engine.v1 import engine_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = engine_pb2_grpc.EngineServiceStub(ch)
+        await _generate(stub, salt="warm", ids=prompts[0].ids(ids, sep), max_tokens=2)
+        res = [await _generate(stub, salt="blend", parts=_parts(p, ids, sep), ratio=0.15) for p in prompts]
+    return [row("ttft_s", statistics.fmean(r[0] for r in res), "s", mode="blend", recompute_ratio=0.15,
+                hot_lru=False)]
+
+
 async def _search(kv_address: str, namespace: bytes, query: str, k: int) -> list[str]:
     """Top-k catalogued documents for `query` from the KV service's index (MiniLM)."""
     import grpc
@@ -376,6 +394,13 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
             procs.append(engine)
             rows, hits = asyncio.run(_service_rows(engine.address, kv.address, rag_namespace, prompts, ids, sep,
                                                    catalog, QUESTIONS))
+            launcher.stop_service(procs.pop())
+            cold = launcher.start_service(
+                "bench-engine", "kvmesh.services.engine",
+                ["--threads", threads, "--kvcache-address", kv.address, "--kv-codec", "fp16",
+                 "--kv-cache-bytes", str(1 << 30), "--kv-hot-bytes", "0"], launcher.free_port())
+            procs.append(cold)
+            rows += asyncio.run(_fetch_rows(cold.address, prompts, ids, sep))
         finally:
             for p in reversed(procs):
                 launcher.stop_service(p)

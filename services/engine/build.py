@@ -93,7 +93,8 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
         return None
     layout = kv_layout(loaded)
     spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual)
-    conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s),
+    conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s,
+                                         hot_bytes=cfg.kv_hot_bytes),
                        model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size,
                        rotary=loaded.model.rotary)
     log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,

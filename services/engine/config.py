@@ -38,6 +38,7 @@ class EngineConfig:
     kv_group_size: int = setting(64, "int4/int2: tokens per key group, channels per value group.", min=1, max=65535)
     kv_residual: int = setting(0, "int8/int4/int2: last tokens of each chunk kept in fp16.", min=0)
     kv_timeout_s: float = setting(5.0, "Deadline of each KV-cache call; a late answer means recompute.", min=0.01)
+    kv_hot_bytes: int = setting(512 * MiB, "Byte budget of the engine's LRU of decoded document chunks fetched from the KV-cache service (reused by later prompts that cite the same documents without a fetch); 0 = off.", min=0)
     draft_address: Optional[str] = setting(None, "host:port of the draft service (kvmesh.draft.v1) for speculative decoding; unset = no speculation, whatever a request asks.")
     speculation: str = setting("ngram", "Speculative decoding for requests that leave GenerateRequest.speculation unspecified: off, ngram (prompt lookup), model (the service's draft model) or adaptive (the service picks drafter and length). Takes effect only with --draft-address; outputs are the same as without (greedy: identical tokens; sampled: the same distribution).", choices=("off", "ngram", "model", "adaptive"))
     spec_max_draft_tokens: int = setting(4, "Most draft tokens verified per sequence and step (k); each costs one extra token of the step's budget and KV slot while it is verified.", min=1, max=16)

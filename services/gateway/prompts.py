@@ -37,10 +37,10 @@ _THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
 
 def load_tokenizer(source: str) -> Tokenizer:
     """The tokenizer of `source`: 'bundled', a .gguf file, or a Hugging Face folder."""
-    from kvmesh.model.loader import bundled_gguf_path, load_tokenizer as load_from_folder
+    from kvmesh.model.bundled import bundled_gguf_path, folder_tokenizer
 
     if source != "bundled" and Path(source).is_dir():
-        return load_from_folder(source)
+        return folder_tokenizer(source)
     path = bundled_gguf_path() if source == "bundled" else Path(source)
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(f"tokenizer source {source!r} is neither 'bundled', a .gguf file "

@@ -176,3 +176,30 @@ async def test_bad_parts_are_refused_with_what_to_fix(bundled_model, kv, texts):
     with pytest.raises(FailedPrecondition, match="--kvcache-address"):
         await run(plain, parts=[head, CatalogDocument("python")])
     plain.shutdown()
+
+
+async def test_hot_lru_serves_documents_cited_again_without_a_fetch(bundled_model, kv, texts):
+    eng = engine(bundled_model, kv.address)
+    await run(eng, parts=prompt_parts(texts, "a", "b", "head1")[0])  # stores both documents by content
+    await asyncio.to_thread(eng.core.kv.flush)
+    stats = eng.core.kv.stats
+    first_tokens, first = await run(eng, parts=prompt_parts(texts, "b", "a", "head2")[0], ratio=0.15)
+    fetched = stats.fetched_chunks
+    assert fetched > 0 and stats.hot_chunks == 0 and first.documents.blended_tokens > 0
+    # the same documents in another prompt: every chunk from the engine's LRU, no Get
+    _, again = await run(eng, parts=prompt_parts(texts, "a", "b", "head2")[0], ratio=0.15)
+    assert stats.fetched_chunks == fetched and stats.hot_chunks == fetched
+    assert again.documents.blended_tokens == first.documents.blended_tokens
+    await close(eng)
+
+    # a budget of one chunk's bytes keeps one chunk: the others are fetched again
+    one_chunk = 2 * bundled_model.config.num_layers * CHUNK * bundled_model.config.num_kv_heads \
+        * bundled_model.config.head_dim * 4
+    small = engine(bundled_model, kv.address, kv_hot_bytes=one_chunk)
+    tokens, _ = await run(small, parts=prompt_parts(texts, "b", "a", "head2")[0], ratio=0.15)
+    assert tokens == first_tokens  # the LRU changes where KV comes from, not the output
+    await run(small, parts=prompt_parts(texts, "a", "b", "head2")[0], ratio=0.15)
+    s = small.core.kv.stats
+    assert small.core.kv._hot_bytes <= one_chunk and 0 < s.hot_chunks < fetched
+    assert s.fetched_chunks + s.hot_chunks == 2 * fetched
+    await close(small)

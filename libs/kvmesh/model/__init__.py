@@ -1,7 +1,8 @@
 """Model code: Llama-architecture forward pass, loaders (GGUF, Hugging Face), tokenizer, weight quantization.
 
 Public API (what the engine and gateway use):
-    load_model, load_tokenizer, LoadedModel, bundled_gguf_path -- kvmesh.model.loader
+    load_model, load_tokenizer, LoadedModel                -- kvmesh.model.loader
+    bundled_gguf_path                                   -- kvmesh.model.bundled (no torch)
     LlamaForCausalLM                                    -- kvmesh.model.llama
     AttentionMetadata, allocate_kv_cache, kv_bytes_per_block -- kvmesh.model.attention
     ModelConfig                                         -- kvmesh.model.config
@@ -10,13 +11,30 @@ Public API (what the engine and gateway use):
     perplexity, reference_text                          -- kvmesh.model.perplexity
 """
 
-from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
-from kvmesh.model.config import ModelConfig
-from kvmesh.model.llama import LlamaForCausalLM
-from kvmesh.model.loader import LoadedModel, bundled_gguf_path, load_model, load_tokenizer
-from kvmesh.model.perplexity import perplexity, reference_text
-from kvmesh.model.quant import quantize_model
-from kvmesh.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from __future__ import annotations
+
+import importlib
+
+# Resolved on first use (PEP 562), so importing a torch-free submodule (kvmesh.model.tokenizer,
+# kvmesh.model.bundled: what the gateway needs) does not import torch through this package.
+_HOME = {
+    "AttentionMetadata": "attention", "allocate_kv_cache": "attention", "kv_bytes_per_block": "attention",
+    "ModelConfig": "config",
+    "LlamaForCausalLM": "llama",
+    "LoadedModel": "loader", "load_model": "loader", "load_tokenizer": "loader",
+    "bundled_gguf_path": "bundled",
+    "perplexity": "perplexity", "reference_text": "perplexity",
+    "quantize_model": "quant",
+    "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmesh.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvmesh.model.{module}"), name)
+
 
 __all__ = [
     "AttentionMetadata",

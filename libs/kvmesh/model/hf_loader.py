@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvmesh.model.config import ModelConfig
+from kvmesh.model.bundled import read_eos_ids
 from kvmesh.model.tokenizer import Tokenizer
 
 # Tensors some checkpoints carry that the model recomputes (RoPE tables).
@@ -57,16 +58,6 @@ def folder_digest(files: list[Path]) -> str:
     for f in files:
         h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
     return h.hexdigest()
-
-
-def read_eos_ids(folder: Path, hf_cfg: dict) -> list[int] | None:
-    """EOS ids the model stops on: generation_config.json wins over config.json (as in HF generate)."""
-    gen = folder / "generation_config.json"
-    for source in ((json.loads(gen.read_text()) if gen.is_file() else {}), hf_cfg):
-        eos = source.get("eos_token_id")
-        if eos is not None:
-            return list(eos) if isinstance(eos, list) else [eos]
-    return None
 
 
 def load_hf_folder(folder: str | Path, *, digest: str | None = None, name: str = "") -> Checkpoint:

