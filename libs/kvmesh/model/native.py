@@ -4,17 +4,18 @@ NOTE (why, and what). The torch path of decode attention (kvmesh.model.attention
 every decode row's KV blocks into a dense buffer with ``index_select`` and then runs SDPA over
 it: the context is read, written and read again, and on this 2-core CPU that copy was the
 largest part of a 32-sequence decode step's attention (~15 ms of ~26 ms, one-off profiling).
-``paged_decode_attention`` computes the same attention straight from the cache: one task per
+``paged_decode_kernel()`` returns a kernel that computes the same attention straight from the cache: one task per
 (decode row, KV head), the query heads sharing that KV head together (GQA), scores over the
 row's blocks, an exact softmax (max-subtracted, two passes over the scores), then the weighted
 sum of values -- keys and values each read once, nothing copied. fp32 only; rows may have
 different contexts (no padding, no mask). It is an ordinary C++ function compiled with
-``torch.utils.cpp_extension.load_inline`` (g++, ninja; ~1 minute once, then cached under the
+``torch.utils.cpp_extension.load_inline`` (g++, ninja; ~30 s once, then cached under the
 kvmesh cache directory), vectorised by the compiler (-O3 -march=native, explicit 16-lane
-partial sums so no fast-math is needed) and split over torch's intra-op threads (at::parallel_for,
-OpenMP: the extension links libgomp.so.1 by soname, which resolves to the copy torch already
-loaded, so the process keeps one OpenMP runtime and one team). Where it cannot be built (no compiler, another
-platform) or ``KVMESH_NATIVE=0``, ``paged_decode_attention`` is None and the torch path runs:
+partial sums; -ffast-math for a vectorised exp) and split over the calling thread's OpenMP team
+(the extension links libgomp.so.1 by soname, which resolves to the copy torch already loaded, so
+the process keeps one OpenMP runtime and one team; see the comment at the loop for why not
+at::parallel_for). Where it cannot be built (no compiler, another
+platform) or ``KVMESH_NATIVE=0``, ``paged_decode_kernel()`` is None and the torch path runs:
 the kernel is an optimisation, never a requirement. Its results match SDPA's to float rounding
 (summation order differs), which the tests check.
 """
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -61,12 +62,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float sc = static_cast<float>(scale);
   const int64_t row_stride = KVH * hd;  // floats between consecutive token slots
   TORCH_CHECK(G <= 8, "paged_decode: at most 8 query heads per KV head");
-  at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t d = 0; d < D; ++d)
+    TORCH_CHECK(cl[d] >= 1 && cl[d] <= W * BS, "paged_decode: context length out of range");
+  // A plain OpenMP loop on the calling thread's team (its nthreads ICV, which torch set), not
+  // at::parallel_for: that one's first call on a thread re-initialises the thread count from
+  // ATen's process-wide value, which the KV codec threads set to 1 -- it would have left the
+  // step loop single-threaded (measured: prefill 1.7x slower once a KV service was linked).
+  #pragma omp parallel
+  {
     std::vector<float> scores;
-    for (int64_t t = begin; t < end; ++t) {
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < D * KVH; ++t) {
       const int64_t d = t / KVH, h = t % KVH;
       const int64_t ctx = cl[d];
-      TORCH_CHECK(ctx >= 1 && ctx <= W * BS, "paged_decode: context length out of range");
       scores.resize(G * ctx);
       const float* qh = qp + (d * H + h * G) * hd;  // the G query heads of KV head h, adjacent
       // scores: each key row is loaded once for all G query heads; 16-lane partial sums
@@ -102,7 +110,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         }
       }
     }
-  });
+  }
   return out;
 }
 """
