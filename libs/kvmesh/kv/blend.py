@@ -34,7 +34,8 @@ NOTE (the algorithm, as built here).
   Cost: s/L of a full prefill for the probe, plus |R|/T of the rest (attention of R over T keys).
   Measured (`kvmesh bench blend`, bundled SmolLM2-135M, fp32, 2 threads; 4-6 shuffled sections
   of pydoc_data.topics per prompt, 1.4-2.7k tokens, through the engine): TTFT vs full prefill
-  4.6x lower at ratio 0, 2.8x at 0.15, 2.0x at 0.3; reference-answer perplexity +121%, +3.4%,
+  6.1x lower at ratio 0, 3.6x at 0.15, 2.5x at 0.3 with the engine's hot document LRU (2.5x at
+  0.15 fetching from the KV service every time); reference-answer perplexity +121%, +3.4%,
   +2.3% (deviation alone: +7.4%, +4.9%). Selecting on deeper layers (select_layers 3..12) was
   no better at 0.15.
   Stages: `BlendPrefill.probe` (layers < s over every token, and layer s's q/k/v) needs only the

@@ -80,3 +80,30 @@ def test_paged_attention_same_with_and_without_the_kernel(heads, kvh, hd, monkey
     monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
     without = run()
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_leaves_the_calling_threads_torch_threads_alone():
+    """Another thread setting torch to one thread (the KV codec threads do) must not make the
+    kernel's first call drop the calling thread to one thread (it did through at::parallel_for,
+    halving prefill speed in an engine linked to a KV service). In a fresh process: the thread
+    counts are per-process state."""
+    code = """
+import threading, torch
+from kvmesh.model.native import paged_decode_kernel
+torch.set_num_threads(2)
+def step_loop():
+    torch.ones(4).sum()  # this thread's first torch op, as the engine's step loop does at build
+    other = threading.Thread(target=torch.set_num_threads, args=(1,))
+    other.start(); other.join()
+    k = paged_decode_kernel()
+    cache = torch.randn(4, 16, 3, 64)
+    k(torch.randn(2, 9, 64), cache, cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([3, 5]), 0.1)
+    assert torch.get_num_threads() == 2, torch.get_num_threads()
+t = threading.Thread(target=step_loop); t.start(); t.join()
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
