@@ -113,10 +113,57 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   return out;
 }
+
+// Per-token int8 quantization of x [M, K] fp32 after multiplying by inv_smooth [K]: returns
+// (q [M, K] int8, step [M, 1] fp32) with q = round_half_even(x * inv_smooth / step) and
+// step = max|x * inv_smooth| / 127 per row (at least 1e-12 / 127) -- the ops of
+// kvmesh.model.quant.W8A8Linear's torch path, in one pass per row.
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, torch::Tensor inv_smooth) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && inv_smooth.dtype() == torch::kFloat32 && x.dim() == 2 &&
+              x.is_contiguous() && inv_smooth.is_contiguous() && inv_smooth.numel() == x.size(1),
+              "quantize_rows: x [M, K] fp32 contiguous and inv_smooth [K] fp32");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto step = torch::empty({M, 1}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* sp = inv_smooth.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* stp = step.data_ptr<float>();
+  #pragma omp parallel for if (M >= 8) schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k] * sp[k]));
+    const float st = std::max(amax, 1e-12f) / 127.f;
+    stp[m] = st;
+    int8_t* qr = qp + m * K;
+    for (int64_t k = 0; k < K; ++k) qr[k] = static_cast<int8_t>(std::nearbyint((row[k] * sp[k]) / st));
+  }
+  return {q, step};
+}
+
+// acc [M, N] int32 -> fp32 acc * step[m] * wscale[n] (the rescale after torch._int_mm).
+torch::Tensor rescale_rows(torch::Tensor acc, torch::Tensor step, torch::Tensor wscale) {
+  TORCH_CHECK(acc.dtype() == torch::kInt32 && acc.dim() == 2 && acc.is_contiguous() &&
+              step.dtype() == torch::kFloat32 && step.numel() == acc.size(0) &&
+              wscale.dtype() == torch::kFloat32 && wscale.numel() == acc.size(1) && wscale.is_contiguous(),
+              "rescale_rows: acc [M, N] int32, step [M] fp32, wscale [N] fp32");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  auto y = torch::empty({M, N}, acc.options().dtype(torch::kFloat32));
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* stp = step.data_ptr<float>();
+  const float* wp = wscale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  #pragma omp parallel for if (M * N >= 65536) schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) yp[m * N + n] = static_cast<float>(ap[m * N + n]) * stp[m] * wp[n];
+  return y;
+}
 """
 
 _lock = threading.Lock()
 _kernel: Optional[Callable] = None
+_module = None
 _tried = False
 
 
@@ -143,16 +190,26 @@ def paged_decode_kernel() -> Optional[Callable]:
 
             folder = _build_dir()
             folder.mkdir(parents=True, exist_ok=True)
-            module = load_inline(name="kvmesh_native", cpp_sources=[_SOURCE], functions=["paged_decode"],
+            module = load_inline(name="kvmesh_native", cpp_sources=[_SOURCE],
+                                 functions=["paged_decode", "quantize_rows", "rescale_rows"],
                                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                                  extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                  verbose=False)
             _kernel = module.paged_decode
+            global _module
+            _module = module
         except Exception as err:  # no compiler, no ninja, another platform: the torch path runs
             log.warning("native decode attention unavailable (%s); using the torch path", err)
             _kernel = None
         _tried = True
         return _kernel
+
+
+def w8a8_ops() -> Optional[tuple[Callable, Callable]]:
+    """(quantize_rows, rescale_rows) of the native module, or None where it is unavailable: the
+    per-token quantization and the rescale of kvmesh.model.quant.W8A8Linear, each one pass."""
+    paged_decode_kernel()
+    return None if _module is None else (_module.quantize_rows, _module.rescale_rows)
 
 
 if __name__ == "__main__":  # `python -m kvmesh.model.native`: build (or find) the kernel now

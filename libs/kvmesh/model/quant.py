@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.model.native import w8a8_ops
+
 # Rows at or below which the packed kernel beats dequantize + dense matmul, measured over all 210
 # decoder Linears of SmolLM2-135M on 2 AVX-512/AMX cores (int8 crosses over near 64 rows, int4
 # near 100): decode batches use the kernel, prefill chunks dequantize.
@@ -85,6 +87,12 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
         lead = x.shape[:-1]
+        native = w8a8_ops() if self._int_mm and x.device.type == "cpu" else None
+        if native is not None:  # the same arithmetic, one pass each (kvmesh.model.native)
+            quantize_rows, rescale_rows = native
+            xq, step = quantize_rows(x.reshape(-1, self.in_features).float().contiguous(), self.inv_smooth)
+            y = rescale_rows(torch._int_mm(xq, self.qweight.t()), step, self.wscale)
+            return y.to(x.dtype).view(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).float() * self.inv_smooth  # [M, K]
         step = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # [M, 1] per-token step
         xq = x2.div_(step).round_().to(torch.int8)

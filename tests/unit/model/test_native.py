@@ -107,3 +107,26 @@ t = threading.Thread(target=step_loop); t.start(); t.join()
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_kernel
+def test_native_w8a8_ops_equal_the_torch_arithmetic():
+    from kvmesh.model.native import w8a8_ops
+
+    quantize_rows, rescale_rows = w8a8_ops()
+    torch.manual_seed(4)
+    x = torch.randn(37, 96) * torch.rand(96) * 5
+    x[3] = 0  # an all-zero row: step clamped, codes 0
+    inv = torch.rand(96) + 0.5
+    q, step = quantize_rows(x, inv)
+    xs = x * inv
+    want_step = xs.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127.0
+    torch.testing.assert_close(step, want_step, rtol=1e-6, atol=0)
+    want_q = torch.round(xs / want_step)
+    assert q.dtype == torch.int8 and (q.float() - want_q).abs().max() <= 1  # a .5 tie may round apart
+    assert (q.float() == want_q).float().mean() > 0.99 and int(q[3].abs().max()) == 0
+    acc = torch.randint(-2**20, 2**20, (37, 50), dtype=torch.int32)
+    w = torch.rand(50)
+    torch.testing.assert_close(rescale_rows(acc, step, w), acc.float() * step * w, rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="quantize_rows"):
+        quantize_rows(x.double(), inv)
