@@ -387,18 +387,19 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
             kv = launcher.start_service("bench-kvcache", "kvmesh.services.kvcache", ["--data-dir", tmp],
                                         launcher.free_port(), env={"OMP_NUM_THREADS": "1"})
             procs.append(kv)
-            engine = launcher.start_service(
-                "bench-engine", "kvmesh.services.engine",
-                ["--threads", threads, "--kvcache-address", kv.address, "--kv-codec", "fp16",
-                 "--kv-cache-bytes", str(1 << 30)], launcher.free_port())
+
+            def start_engine(*extra: str):
+                return launcher.start_service(
+                    "bench-engine", "kvmesh.services.engine",
+                    ["--threads", threads, "--kvcache-address", kv.address, "--kv-codec", "fp16",
+                     "--kv-cache-bytes", str(1 << 30), *extra], launcher.free_port())
+
+            engine = start_engine()
             procs.append(engine)
             rows, hits = asyncio.run(_service_rows(engine.address, kv.address, rag_namespace, prompts, ids, sep,
                                                    catalog, QUESTIONS))
             launcher.stop_service(procs.pop())
-            cold = launcher.start_service(
-                "bench-engine", "kvmesh.services.engine",
-                ["--threads", threads, "--kvcache-address", kv.address, "--kv-codec", "fp16",
-                 "--kv-cache-bytes", str(1 << 30), "--kv-hot-bytes", "0"], launcher.free_port())
+            cold = start_engine("--kv-hot-bytes", "0")
             procs.append(cold)
             rows += asyncio.run(_fetch_rows(cold.address, prompts, ids, sep))
         finally:

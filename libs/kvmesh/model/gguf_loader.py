@@ -28,6 +28,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kvmesh.model.bundled import default_cache_dir
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.hf_loader import Checkpoint, load_hf_folder, sha256_file
 from kvmesh.model.tokenizer import Tokenizer
@@ -51,11 +52,6 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-
-
-def default_cache_dir() -> Path:
-    """``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh``."""
-    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
 
 
 def hf_name(gguf_name: str) -> str:

@@ -1,4 +1,5 @@
-"""Native CPU kernels, compiled on first use: decode attention that reads the paged KV cache in place.
+"""Native CPU kernels, compiled on first use: decode attention that reads the paged KV cache in
+place, and the per-token int8 quantization and rescale of W8A8 matmuls.
 
 NOTE (why, and what). The torch path of decode attention (kvmesh.model.attention) first copies
 every decode row's KV blocks into a dense buffer with ``index_select`` and then runs SDPA over
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from kvmesh.model.bundled import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       scores.resize(G * ctx);
       const float* qh = qp + (d * H + h * G) * hd;  // the G query heads of KV head h, adjacent
       // scores: each key row is loaded once for all G query heads; 16-lane partial sums
-      // (one vector register each) keep the reduction vectorised without fast-math.
+      // (one vector register each) keep the reduction vectorised.
       for (int64_t pos = 0; pos < ctx; ++pos) {
         const float* kp = kc + (bt[d * W + pos / BS] * BS + pos % BS) * row_stride + h * hd;
         float part[8][16] = {};
@@ -162,57 +165,52 @@ torch::Tensor rescale_rows(torch::Tensor acc, torch::Tensor step, torch::Tensor 
 """
 
 _lock = threading.Lock()
-_kernel: Optional[Callable] = None
 _module = None
 _tried = False
 
 
 def _build_dir() -> Path:
-    base = Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
     digest = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:16]
-    return base / "native" / digest
+    return default_cache_dir() / "native" / digest
+
+
+def _native():
+    """The compiled module, or None where it cannot be built or KVMESH_NATIVE=0 (built once per
+    process, then cached on disk)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if not _tried and os.environ.get("KVMESH_NATIVE", "1") != "0":
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                folder = _build_dir()
+                folder.mkdir(parents=True, exist_ok=True)
+                _module = load_inline(name="kvmesh_native", cpp_sources=[_SOURCE],
+                                      functions=["paged_decode", "quantize_rows", "rescale_rows"],
+                                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            except Exception as err:  # no compiler, no ninja, another platform: the torch paths run
+                log.warning("native kernels unavailable (%s); using the torch paths", err)
+        _tried = True
+        return _module
 
 
 def paged_decode_kernel() -> Optional[Callable]:
-    """The compiled ``paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale)``, or None
-    where it cannot be built or KVMESH_NATIVE=0 (built once per process, then cached on disk)."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    with _lock:
-        if _tried:
-            return _kernel
-        if os.environ.get("KVMESH_NATIVE", "1") == "0":
-            _tried = True
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            folder = _build_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            module = load_inline(name="kvmesh_native", cpp_sources=[_SOURCE],
-                                 functions=["paged_decode", "quantize_rows", "rescale_rows"],
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                                 extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                                 verbose=False)
-            _kernel = module.paged_decode
-            global _module
-            _module = module
-        except Exception as err:  # no compiler, no ninja, another platform: the torch path runs
-            log.warning("native decode attention unavailable (%s); using the torch path", err)
-            _kernel = None
-        _tried = True
-        return _kernel
+    """``paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale)``, or None (see _native)."""
+    module = _native()
+    return None if module is None else module.paged_decode
 
 
 def w8a8_ops() -> Optional[tuple[Callable, Callable]]:
-    """(quantize_rows, rescale_rows) of the native module, or None where it is unavailable: the
-    per-token quantization and the rescale of kvmesh.model.quant.W8A8Linear, each one pass."""
-    paged_decode_kernel()
-    return None if _module is None else (_module.quantize_rows, _module.rescale_rows)
+    """(quantize_rows, rescale_rows), or None (see _native): the per-token quantization and the
+    rescale of kvmesh.model.quant.W8A8Linear, each one pass."""
+    module = _native()
+    return None if module is None else (module.quantize_rows, module.rescale_rows)
 
 
 if __name__ == "__main__":  # `python -m kvmesh.model.native`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO)
-    built = paged_decode_kernel()
-    print(f"native decode attention: {'ready in ' + str(_build_dir()) if built else 'unavailable, the torch path runs'}")
+    built = _native() is not None
+    print(f"native kernels: {'ready in ' + str(_build_dir()) if built else 'unavailable, the torch paths run'}")
