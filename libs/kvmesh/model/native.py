@@ -169,8 +169,18 @@ _module = None
 _tried = False
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (the build uses -march=native: a cached build is for this CPU only)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _build_dir() -> Path:
-    digest = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:16]
+    described = _SOURCE + torch.__version__ + _cpu_flags()
+    digest = hashlib.sha256(described.encode()).hexdigest()[:16]
     return default_cache_dir() / "native" / digest
 
 
