@@ -128,7 +128,8 @@ def quality_rows(plan: Plan) -> list[dict]:
             # As the engine stores them: keys un-rotated to position 0 (kvmesh.kv.rope), then encoded.
             blobs = [codec.encode(unrotate_keys(k_all[:, i * CHUNK:(i + 1) * CHUNK], i * CHUNK, rotary),
                                   v_all[:, i * CHUNK:(i + 1) * CHUNK],
-                                  codec.ChunkMeta(ns, tuple(prompt[i * CHUNK:(i + 1) * CHUNK])), spec)
+                                  codec.ChunkMeta(ns, tuple(prompt[i * CHUNK:(i + 1) * CHUNK])), spec,
+                                  sequence_start=i == 0)
                      for i in range(n_chunks)]
             enc_s = (time.perf_counter() - t0) / n_chunks
             t0 = time.perf_counter()

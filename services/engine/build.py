@@ -92,7 +92,8 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
     if not cfg.kvcache_address:
         return None
     layout = kv_layout(loaded)
-    spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual)
+    spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
+                     head=cfg.kv_head_tokens, key_outliers=cfg.kv_key_outliers)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s,
                                          hot_bytes=cfg.kv_hot_bytes),
                        model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size,

@@ -37,6 +37,8 @@ class EngineConfig:
     kv_zstd: bool = setting(True, "zstd-compress exported chunks.")
     kv_group_size: int = setting(64, "int4/int2: tokens per key group, channels per value group.", min=1, max=65535)
     kv_residual: int = setting(0, "int8/int4/int2: last tokens of each chunk kept in fp16.", min=0)
+    kv_head_tokens: Optional[int] = setting(None, "int8/int4/int2: first tokens of a sequence's first chunk kept in fp16 (the attention sink); unset = the codec's default (int2: 1, others: 0).", min=0, max=65535)
+    kv_key_outliers: Optional[int] = setting(None, "int4/int2: widest key channels per layer and KV head in each chunk, stored with twice the bits; unset = the codec's default (int2: 16, int4: 0).", min=0, max=65535)
     kv_timeout_s: float = setting(5.0, "Deadline of each KV-cache call; a late answer means recompute.", min=0.01)
     kv_hot_bytes: int = setting(512 * MiB, "Byte budget of the engine's LRU of decoded document chunks fetched from the KV-cache service (reused by later prompts that cite the same documents without a fetch); 0 = off.", min=0)
     draft_address: Optional[str] = setting(None, "host:port of the draft service (kvmesh.draft.v1) for speculative decoding; unset = no speculation, whatever a request asks.")

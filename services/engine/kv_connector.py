@@ -414,7 +414,7 @@ class KvConnector:
                     k = unrotate_keys(job.k[:, sl], job.start + i * chunk, self.rotary).to(job.v.dtype)
                     blob = codec.encode(k, job.v[:, sl],
                                         codec.ChunkMeta(job.namespace, tuple(job.token_ids[sl])),
-                                        job.spec or self.config.codec)
+                                        job.spec or self.config.codec, sequence_start=job.start + i * chunk == 0)
                     stub.Put(transfer.put_requests(key, blob), timeout=EXPORT_TIMEOUT_S)
                     self.stats.exported_chunks += 1
                 except grpc.RpcError as err:

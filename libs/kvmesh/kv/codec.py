@@ -5,11 +5,11 @@ A chunk is the attention KV of a fixed number of tokens of one sequence, all lay
 ``CODECS``, optionally followed by zstd; ``decode`` gives it back (or raises: a damaged blob is a
 miss, never garbage KV in an engine).
 
-NOTE (blob format, version 1, little-endian)::
+NOTE (blob format, version 2, little-endian; version 1 is read too)::
 
     offset  size   field
     0       4      magic b"KVMB"
-    4       1      format version (1)
+    4       1      format version (2; 1 = the same without the two u16 fields at 48)
     5       1      codec id: index into CODECS (0 fp16, 1 bf16, 2 int8, 3 int4, 4 int2)
     6       1      flags: bit 0 = payload is one zstd frame; other bits 0
     7       1      source dtype: 0 float32, 1 bfloat16, 2 float16
@@ -18,27 +18,34 @@ NOTE (blob format, version 1, little-endian)::
                    head_dim for int8 (per-token-per-head); 0 for fp16 / bf16
     28      4      residual u32: last tokens of the chunk stored as fp16 (0 for fp16 / bf16)
     32      16     namespace (model identity + KV layout + tenant salt; opaque here)
-    48      4*T    token ids, u32 each
-    48+4T   4      payload length P, u32
-    52+4T   P      payload (zstd-compressed when flag bit 0 is set)
-    52+4T+P 16     blake2b (digest_size=16) of every byte before it
+    48      2      head u16: first tokens of the chunk stored as fp16 (0 for fp16 / bf16)
+    50      2      key outliers u16: m, key channels per (layer, head) at twice the bits (int4, int2)
+    52      4*T    token ids, u32 each
+    52+4T   4      payload length P, u32
+    56+4T   P      payload (zstd-compressed when flag bit 0 is set)
+    56+4T+P 16     blake2b (digest_size=16) of every byte before it
 
 Raw payload sections, in order (fp16 arrays byte-shuffled: all low bytes, then all high bytes,
 which lets zstd see the slowly varying sign/exponent bytes together):
 
 - fp16 / bf16: k, v as ``[L, T, H, D]``.
-- int8 / int4 / int2, with ``Q = T - residual`` quantized tokens and ``C = H * D`` channels, for k
-  then v: fp16 scales, fp16 zeros, then the uint8 codes packed ``8 // bits`` per byte (lowest
-  bits first). Keys of int4/int2 are quantized per channel: codes ``[L, C, Q]``, scales
-  ``[L, C, ceil(Q/group)]``; values of int4/int2 per token: codes ``[L, Q, C]``, scales
-  ``[L, Q, ceil(C/group)]``; both of int8 per token and head: codes ``[L, Q, C]``, scales
-  ``[L, Q, H]`` (asymmetric: measured 0.0077/0.0057 relative error on k/v, symmetric 0.011/0.0067).
-  Then the residual ``k, v [L, residual, H, D]`` fp16.
+- int8 / int4 / int2, with ``Q = T - head - residual`` quantized tokens (those between the head
+  and the residual) and ``C = H * D`` channels:
+  keys: the outlier mask (``L*H*D`` bits, one per channel, packed; empty when m is 0), fp16
+  scales, fp16 zeros and codes of the other ``D - m`` channels of each head, then fp16 scales,
+  zeros and codes of the m marked channels at twice the bits (empty when m is 0); values: fp16
+  scales, zeros, codes. Codes are uint8 packed ``8 // bits`` per byte (lowest bits first). Keys of
+  int4/int2 are quantized per channel: codes ``[L, H, D - m, Q]`` and ``[L, H, m, Q]`` (channels
+  in ascending order within each set), scales per ``group`` tokens; values of int4/int2 per
+  token: codes ``[L, Q, C]``, scales ``[L, Q, ceil(C/group)]``; both of int8 per token and head:
+  codes ``[L, Q, C]``, scales ``[L, Q, H]`` (asymmetric: measured 0.0077/0.0057 relative error
+  on k/v, symmetric 0.011/0.0067). Then ``k, v [L, head, H, D]`` and ``k, v [L, residual, H, D]``
+  fp16.
 
 NOTE (measurements): real KV of the bundled SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
 keys after RoPE), the first 1024 tokens of ``reference_text()`` as four 256-token chunks, defaults
-(group_size 64, residual 0, zstd level 3). Ratio = 2 bytes * elements of k and v / blob bytes;
-error = ||decoded - x|| / ||x|| per tensor, mean over chunks.
+of version 1 (group_size 64, residual 0, zstd level 3, no head, no outliers). Ratio = 2 bytes *
+elements of k and v / blob bytes; error = ||decoded - x|| / ||x|| per tensor, mean over chunks.
 
     codec  zstd off  zstd on   rel err k / v     encode / decode ms (1 CPU thread, zstd on)
     fp16   1.00x     1.18x     0.0002 / 0.0002   20 / 15
@@ -54,6 +61,17 @@ int2 + zstd above 7x, and makes a value group exactly one head. Every fp16 resid
 distribution of min/max groups (about 1.45 of 2 bits); coding differences of neighbouring tokens'
 codes (CacheGen) was measured to make the int2/int4 streams 5-10% larger, so it is not used.
 fp16/bf16 time is mostly blake2b over 5.9 MB (7 ms each way) and zstd.
+
+NOTE (int2's defaults: head 1, key outliers 16). Plain min/max int2 cost +17.8% perplexity on
+the benchmark's continuation (``kvmesh bench kvcache``; keys alone +9.9%, values alone +5.7%).
+Two cheap exceptions take most of it away, measured on three 2,048-token windows of the text:
+the sequence's first token in fp16 (its value vector is the attention sink; values alone fall to
++1.8%), and in every (layer, head) the 16 key channels of widest range in the chunk at 4 bits
+(keys alone: +0.8%; 8 channels: +4.7%). Together: +2.1..2.5% against +17.8..28% for plain int2,
+at 7.1x instead of 8.1x with zstd. Tried and worse: MSE-optimal clipping of the range (keys
++47%: the extremes matter), sparse per-group outlier values, a rank-1..4 fp16 approximation of
+each head's keys or values with the residual quantized (values +24%: the sink token's residual
+is large), 32-token key groups.
 """
 
 from __future__ import annotations
@@ -70,14 +88,19 @@ from kvmesh.kv import kivi
 CODECS = ("fp16", "bf16", "int8", "int4", "int2")
 
 _MAGIC = b"KVMB"
-_VERSION = 1
+_VERSION = 2  # written; version 1 blobs (no head tokens, no key outlier channels) are still read
 _FLAG_ZSTD = 1
-_FIXED = struct.Struct("<4sBBBB4III16s")  # magic .. namespace, 48 bytes
+_FIXED = {1: struct.Struct("<4sBBBB4III16s"),  # magic .. namespace, 48 bytes
+          2: struct.Struct("<4sBBBB4III16sHH")}  # + head tokens, key outlier channels: 52 bytes
+_HEADER_PREFIX = struct.Struct("<4sB")
 _U32 = struct.Struct("<I")
 _DIGEST = 16
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
 _RAW16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DEFAULT_HEAD = {"int2": 1}
+_DEFAULT_KEY_OUTLIERS = {"int4": 0, "int2": 16}
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class CorruptBlob(ValueError):
@@ -104,6 +127,14 @@ class CodecSpec:
     window); capped at the chunk length."""
     zstd_level: int = 3
     """zstd level 1..22; higher is slower to encode for little gain on quantized KV."""
+    head: int | None = None
+    """int8/int4/int2: the first tokens of a sequence's first chunk kept in fp16 (``encode``'s
+    ``sequence_start``); None = the codec's default (int2: 1, otherwise 0). A sequence's first token
+    is its attention sink: a value vector of small norm that draws much of every later query's
+    attention, so its quantization error reaches every output."""
+    key_outliers: int | None = None
+    """int4/int2: key channels per layer and KV head -- the chunk's widest -- quantized with twice
+    the bits (int2: 4, int4: 8); None = the codec's default (int2: 16, int4: 0). Ignored by int8."""
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
@@ -112,9 +143,23 @@ class CodecSpec:
             raise ValueError(f"CodecSpec.zstd must be True or False, got {self.zstd!r}")
         for field, value, lo, hi in (("group_size", self.group_size, 1, 65535),
                                      ("residual", self.residual, 0, 65535),
-                                     ("zstd_level", self.zstd_level, 1, 22)):
+                                     ("zstd_level", self.zstd_level, 1, 22),
+                                     ("head", self.head, 0, 65535),
+                                     ("key_outliers", self.key_outliers, 0, 65535)):
+            if value is None and field in ("head", "key_outliers"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"CodecSpec.{field} must be an int in {lo}..{hi}, got {value!r}")
+
+    def head_tokens(self) -> int:
+        """`head` with the codec's default filled in."""
+        return _DEFAULT_HEAD.get(self.name, 0) if self.head is None else self.head
+
+    def outlier_channels(self) -> int:
+        """`key_outliers` with the codec's default filled in (0 for codecs that do not use it)."""
+        if self.name not in ("int4", "int2"):
+            return 0
+        return _DEFAULT_KEY_OUTLIERS[self.name] if self.key_outliers is None else self.key_outliers
 
 
 @dataclass(frozen=True)
@@ -145,13 +190,19 @@ class BlobHeader:
     shape: tuple[int, int, int, int]  # L, T, H, D
     group_size: int
     residual: int
+    head: int  # 0 in version 1 blobs
+    key_outliers: int  # 0 in version 1 blobs
     namespace: bytes
     token_ids: tuple[int, ...]
     payload_bytes: int  # as stored (after zstd when zstd is set)
 
 
-def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec) -> bytes:
-    """Encode one chunk ``k, v [L, T, H, D]`` (any float dtype, any device) into a blob."""
+def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec, *,
+           sequence_start: bool = True) -> bytes:
+    """Encode one chunk ``k, v [L, T, H, D]`` (any float dtype, any device) into a blob.
+
+    ``sequence_start``: the chunk's first token is its sequence's first (position 0). Only such a
+    chunk keeps ``spec.head`` tokens in fp16: the attention sink is the sequence's first token."""
     if k.dim() != 4 or k.shape != v.shape or min(k.shape) < 1:
         raise ValueError(f"k and v must both be non-empty [L, T, H, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.dtype not in _DTYPES or v.dtype != k.dtype:
@@ -160,21 +211,27 @@ def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec) -
     if len(meta.token_ids) != T:
         raise ValueError(f"meta.token_ids has {len(meta.token_ids)} ids for a chunk of {T} tokens")
     if spec.name in _RAW16:
-        group, residual = 0, 0
+        group, residual, head, outliers = 0, 0, 0, 0
         parts = [_shuffle16(k.to(_RAW16[spec.name])), _shuffle16(v.to(_RAW16[spec.name]))]
     else:
         bits = _BITS[spec.name]
         group = D if bits == 8 else spec.group_size
         residual = min(spec.residual, T)
-        Q = T - residual
-        parts = [*_quantize_part(k[:, :Q], bits, group, per_channel=bits < 8),
-                 *_quantize_part(v[:, :Q], bits, group, per_channel=False),
-                 _shuffle16(k[:, Q:].half()), _shuffle16(v[:, Q:].half())]
-    raw = torch.cat(parts).cpu().numpy().tobytes()
+        head = min(spec.head_tokens(), T - residual) if sequence_start else 0
+        end = T - residual
+        outliers = min(spec.outlier_channels(), D) if end > head else 0
+        kq, vq = k[:, head:end], v[:, head:end]
+        parts = [*(_quantize_keys(kq, bits, group, outliers) if bits < 8 else
+                   [_EMPTY, *_quantize_part(kq, bits, group, per_channel=False), _EMPTY, _EMPTY, _EMPTY]),
+                 *_quantize_part(vq, bits, group, per_channel=False),
+                 _shuffle16(k[:, :head].half()), _shuffle16(v[:, :head].half()),
+                 _shuffle16(k[:, end:].half()), _shuffle16(v[:, end:].half())]
+    raw = torch.cat([p.cpu() for p in parts]).numpy().tobytes()
     payload = zstandard.ZstdCompressor(level=spec.zstd_level).compress(raw) if spec.zstd else raw
     body = b"".join([
-        _FIXED.pack(_MAGIC, _VERSION, CODECS.index(spec.name), _FLAG_ZSTD if spec.zstd else 0,
-                    _DTYPES.index(k.dtype), L, T, H, D, group, residual, meta.namespace),
+        _FIXED[_VERSION].pack(_MAGIC, _VERSION, CODECS.index(spec.name), _FLAG_ZSTD if spec.zstd else 0,
+                              _DTYPES.index(k.dtype), L, T, H, D, group, residual, meta.namespace,
+                              head, outliers),
         struct.pack(f"<{T}I", *meta.token_ids),
         _U32.pack(len(payload)),
         payload,
@@ -227,12 +284,19 @@ def decode(blob: bytes, *, namespace: bytes, dtype: torch.dtype = torch.float32,
         v = _unshuffle16(next(sections), _RAW16[header.codec]).view(L, T, H, D)
     else:
         bits = _BITS[header.codec]
-        Q = T - header.residual
-        kq = _dequantize_part(sections, (L, Q, H, D), bits, header.group_size, per_channel=bits < 8)
+        head, residual = header.head, header.residual
+        Q = T - head - residual
+        if bits < 8:
+            kq = _dequantize_keys(sections, (L, Q, H, D), bits, header.group_size, header.key_outliers)
+        else:
+            next(sections)  # the (empty) outlier mask
+            kq = _dequantize_part(sections, (L, Q, H, D), bits, header.group_size, per_channel=False)
+            for _ in range(3):  # the (empty) outlier channels
+                next(sections)
         vq = _dequantize_part(sections, (L, Q, H, D), bits, header.group_size, per_channel=False)
-        k_res = _unshuffle16(next(sections), torch.float16).view(L, header.residual, H, D)
-        v_res = _unshuffle16(next(sections), torch.float16).view(L, header.residual, H, D)
-        k, v = torch.cat([kq, k_res.float()], dim=1), torch.cat([vq, v_res.float()], dim=1)
+        fp16 = [_unshuffle16(next(sections), torch.float16).view(L, n, H, D).float()
+                for n in (head, head, residual, residual)]
+        k, v = torch.cat([fp16[0], kq, fp16[2]], dim=1), torch.cat([fp16[1], vq, fp16[3]], dim=1)
     contiguous = torch.contiguous_format
     return k.to(dtype, memory_format=contiguous), v.to(dtype, memory_format=contiguous), header
 
@@ -245,6 +309,57 @@ def _quantize_part(x: torch.Tensor, bits: int, group: int, per_channel: bool) ->
     else:
         codes, scale, zero = kivi.quantize(x.reshape(L, Q, H * D), bits, group)  # [L, Q, C]
     return [_shuffle16(scale), _shuffle16(zero), kivi.pack(codes, bits)]
+
+
+def _quantize_keys(x: torch.Tensor, bits: int, group: int, outliers: int) -> list[torch.Tensor]:
+    """Keys ``x [L, Q, H, D]`` per channel: [outlier mask, scales, zeros, codes of the other channels,
+    then scales, zeros, codes of the ``outliers`` widest channels of each (layer, head) at twice the
+    bits], as flat uint8 tensors (mask and outlier sections empty when ``outliers`` is 0)."""
+    L, Q, H, D = x.shape
+    xc = x.permute(0, 2, 3, 1).float()  # [L, H, D, Q]
+    if not outliers:
+        return [_EMPTY, *_quantize_part(x, bits, group, per_channel=True), _EMPTY, _EMPTY, _EMPTY]
+    width = xc.amax(-1) - xc.amin(-1)  # [L, H, D]
+    mask = torch.zeros(L, H, D, dtype=torch.uint8, device=x.device)
+    mask.scatter_(-1, width.topk(outliers, dim=-1).indices, 1)
+    order = _channel_order(mask)  # [L, H, D]: plain channels, then outliers (each ascending)
+    xs = xc.gather(2, order[..., None].expand(L, H, D, Q))
+    parts = [kivi.pack(mask, 1)]
+    for lo, hi, b in ((0, D - outliers, bits), (D - outliers, D, min(8, 2 * bits))):
+        codes, scale, zero = kivi.quantize(xs[:, :, lo:hi].reshape(L, H * (hi - lo), Q), b, group)
+        parts += [_shuffle16(scale), _shuffle16(zero), kivi.pack(codes, b)]
+    return parts
+
+
+def _dequantize_keys(sections, shape: tuple[int, int, int, int], bits: int, group: int,
+                     outliers: int) -> torch.Tensor:
+    """Inverse of ``_quantize_keys``: consume seven sections, return float32 ``[L, Q, H, D]``."""
+    L, Q, H, D = shape
+    mask_bytes = next(sections)
+    if not outliers:
+        x = _dequantize_part(sections, shape, bits, group, per_channel=True)
+        for _ in range(3):
+            next(sections)
+        return x
+    mask = kivi.unpack(mask_bytes, 1, L * H * D).view(L, H, D)
+    if not bool((mask.sum(-1, dtype=torch.int32) == outliers).all()):
+        raise CorruptBlob(f"key outlier mask does not mark {outliers} channels in every head")
+    xs = []
+    for n, b in ((D - outliers, bits), (outliers, min(8, 2 * bits))):
+        scale = _unshuffle16(next(sections), torch.float16)
+        zero = _unshuffle16(next(sections), torch.float16)
+        codes = kivi.unpack(next(sections), b, L * H * n * Q)
+        gshape = (L, H * n, -(-Q // group))
+        xs.append(kivi.dequantize(codes.view(L, H * n, Q), scale.view(gshape), zero.view(gshape), group)
+                  .view(L, H, n, Q))
+    order = _channel_order(mask)
+    x = torch.empty(L, H, D, Q, device=order.device).scatter_(2, order[..., None].expand(L, H, D, Q), torch.cat(xs, dim=2))
+    return x.permute(0, 3, 1, 2)
+
+
+def _channel_order(mask: torch.Tensor) -> torch.Tensor:
+    """Channel indices ``[L, H, D]`` with the unmarked channels first, then the marked ones."""
+    return torch.argsort(mask, dim=-1, stable=True)
 
 
 def _dequantize_part(sections, shape: tuple[int, int, int, int], bits: int, group: int,
@@ -269,12 +384,19 @@ def _section_sizes(h: BlobHeader) -> list[int]:
     if h.codec in _RAW16:
         return [2 * L * T * H * D] * 2
     bits = _BITS[h.codec]
-    Q, C, g = T - h.residual, H * D, h.group_size
-    groups_k = L * C * -(-Q // g) if bits < 8 else L * Q * -(-C // g)
-    groups_v = L * Q * -(-C // g)
+    Q, C, g, m = T - h.head - h.residual, H * D, h.group_size, h.key_outliers
     codes = -(-L * Q * C * bits // 8)
-    residual = 2 * L * h.residual * C
-    return [2 * groups_k, 2 * groups_k, codes, 2 * groups_v, 2 * groups_v, codes, residual, residual]
+    if bits < 8:  # per channel; the m outlier channels of each head separately, at twice the bits
+        mask = -(-L * C // 8) if m else 0
+        plain_groups, out_groups = L * H * (D - m) * -(-Q // g), L * H * m * -(-Q // g)
+        keys = [mask, 2 * plain_groups, 2 * plain_groups, -(-L * H * (D - m) * Q * bits // 8),
+                2 * out_groups, 2 * out_groups, -(-L * H * m * Q * min(8, 2 * bits) // 8)]
+    else:
+        groups_k = L * Q * -(-C // g)
+        keys = [0, 2 * groups_k, 2 * groups_k, codes, 0, 0, 0]
+    groups_v = L * Q * -(-C // g)
+    head, residual = 2 * L * h.head * C, 2 * L * h.residual * C
+    return [*keys, 2 * groups_v, 2 * groups_v, codes, head, head, residual, residual]
 
 
 def _inflate(payload: memoryview, h: BlobHeader) -> bytes:
@@ -296,33 +418,39 @@ def _inflate(payload: memoryview, h: BlobHeader) -> bytes:
 
 def _parse(mv: memoryview) -> tuple[BlobHeader, int]:
     """Header fields and the payload's offset; CorruptBlob unless the whole blob is consistent."""
-    if len(mv) < _FIXED.size:
+    if len(mv) < _HEADER_PREFIX.size:
         raise CorruptBlob(f"blob of {len(mv)} bytes is shorter than a header")
-    magic, version, codec, flags, dtype, L, T, H, D, group, residual, namespace = _FIXED.unpack_from(mv)
+    magic, version = _HEADER_PREFIX.unpack_from(mv)
     if magic != _MAGIC:
         raise CorruptBlob(f"bad magic {bytes(magic)!r}: not a kvmesh KV blob")
-    if version != _VERSION:
-        raise CorruptBlob(f"blob format version {version} is not supported (this reader: {_VERSION})")
+    if version not in _FIXED:
+        raise CorruptBlob(f"blob format version {version} is not supported (this reader: {sorted(_FIXED)})")
+    fixed = _FIXED[version]
+    if len(mv) < fixed.size:
+        raise CorruptBlob(f"blob of {len(mv)} bytes is shorter than a header")
+    magic, version, codec, flags, dtype, L, T, H, D, group, residual, namespace, *extra = fixed.unpack_from(mv)
+    head, outliers = extra if extra else (0, 0)
     if codec >= len(CODECS) or flags & ~_FLAG_ZSTD or dtype >= len(_DTYPES):
         raise CorruptBlob(f"unknown codec {codec}, flags {flags:#x} or dtype {dtype}")
     name = CODECS[codec]
     if name in _RAW16:
-        params_ok = group == 0 and residual == 0
+        params_ok = group == 0 and residual == 0 and head == 0 and outliers == 0
     else:
-        params_ok = group >= 1 and residual <= T and (name != "int8" or group == D)
+        params_ok = (group >= 1 and head + residual <= T and (name != "int8" or (group == D and outliers == 0))
+                     and outliers <= D and (outliers == 0 or head + residual < T))
     if min(L, T, H, D) < 1 or not params_ok:
-        raise CorruptBlob(f"inconsistent header: codec {name}, shape {(L, T, H, D)}, "
-                          f"group {group}, residual {residual}")
-    tokens_end = _FIXED.size + 4 * T
+        raise CorruptBlob(f"inconsistent header: codec {name}, shape {(L, T, H, D)}, group {group}, "
+                          f"residual {residual}, head {head}, key outliers {outliers}")
+    tokens_end = fixed.size + 4 * T
     if len(mv) < tokens_end + _U32.size:
         raise CorruptBlob("blob truncated inside its token ids")
     (payload_bytes,) = _U32.unpack_from(mv, tokens_end)
     start = tokens_end + _U32.size
     if len(mv) != start + payload_bytes + _DIGEST:
         raise CorruptBlob(f"blob is {len(mv)} bytes, its header says {start + payload_bytes + _DIGEST}")
-    token_ids = struct.unpack_from(f"<{T}I", mv, _FIXED.size)
+    token_ids = struct.unpack_from(f"<{T}I", mv, fixed.size)
     header = BlobHeader(version, name, bool(flags & _FLAG_ZSTD), _DTYPES[dtype], (L, T, H, D),
-                        group, residual, bytes(namespace), token_ids, payload_bytes)
+                        group, residual, head, outliers, bytes(namespace), token_ids, payload_bytes)
     return header, start
 
 

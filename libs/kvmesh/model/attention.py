@@ -22,6 +22,10 @@ from kvmesh.model.native import paged_decode_kernel
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+SHORT_ROWS = 8
+"""Rows of at most this many new tokens over earlier context are attended as decode rows."""
+
+
 @dataclass
 class _PrefillPlan:
     """One sequence that brings more than one new token this step (precomputed once per step)."""
@@ -50,7 +54,7 @@ class AttentionMetadata:
 
     # --- derived, filled by prepare() ---
     block_size: int | None = None
-    decode_rows: list[int] = field(default_factory=list)  # sequences with exactly one new token
+    decode_rows: list[int] = field(default_factory=list)  # per decode row: its sequence (see prepare)
     decode_tokens: torch.Tensor | None = None  # [D] long: flat token index of each decode row
     decode_blocks: torch.Tensor | None = None  # [D, nb] long: block ids covering the longest context
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb*block_size] bool: key position < context
@@ -92,16 +96,28 @@ class AttentionMetadata:
         for q in q_lens:
             starts.append(starts[-1] + q)
 
-        self.decode_rows = [i for i, q in enumerate(q_lens) if q == 1]
-        self.all_decode = len(self.decode_rows) == len(q_lens)
+        # Decode rows: one per token of a sequence with one new token, and of a short row over
+        # earlier context (a decode plus its drafts being verified): its j-th token is a decode
+        # row with context c-q+j+1 over the same blocks, since every new key is written before
+        # attention. Each row then costs what a plain decode costs, instead of a gather and a
+        # masked SDPA per sequence and layer (and verified tokens see the arithmetic plain
+        # decoding would give them).
+        row_seq, row_tok, row_ctx = [], [], []
+        for i, (q, c) in enumerate(zip(q_lens, c_lens)):
+            if q == 1 or (q <= SHORT_ROWS and c > q):
+                row_seq += [i] * q
+                row_tok += range(starts[i], starts[i] + q)
+                row_ctx += range(c - q + 1, c + 1)
+        self.decode_rows = row_seq
+        self.all_decode = len(row_seq) == starts[-1]
         if self.decode_rows:
-            rows = torch.tensor(self.decode_rows, dtype=torch.long, device=dev)
-            ctx = torch.tensor([c_lens[i] for i in self.decode_rows], dtype=torch.long, device=dev)
-            nb = -(-max(c_lens[i] for i in self.decode_rows) // block_size)
-            self.decode_tokens = torch.tensor([starts[i] for i in self.decode_rows], dtype=torch.long, device=dev)
+            rows = torch.tensor(row_seq, dtype=torch.long, device=dev)
+            ctx = torch.tensor(row_ctx, dtype=torch.long, device=dev)
+            nb = -(-max(row_ctx) // block_size)
+            self.decode_tokens = torch.tensor(row_tok, dtype=torch.long, device=dev)
             self.decode_blocks = self.block_tables.index_select(0, rows)[:, :nb].contiguous()
             self.decode_ctx = ctx
-            decode_ctx = {c_lens[i] for i in self.decode_rows}
+            decode_ctx = set(row_ctx)
             if len(decode_ctx) == 1:
                 # Every decode row sees the same number of keys (one sequence, or a batch in
                 # step): attend to exactly those, no mask (a bool mask costs SDPA extra ops per layer).
@@ -112,7 +128,7 @@ class AttentionMetadata:
 
         self.prefills = []
         for i, (q, c) in enumerate(zip(q_lens, c_lens)):
-            if q == 1:
+            if q == 1 or (q <= SHORT_ROWS and c > q):
                 continue
             if c == q:  # no earlier context: keys are exactly the new tokens, plain causal
                 self.prefills.append(_PrefillPlan(starts[i], q, c, None, None))

@@ -69,7 +69,7 @@ def test_raw_codecs_round_trip_to_their_precision(name, dtype, zstd):
 def test_quantized_error_within_half_a_step_of_each_group(name, group):
     k, v = make_kv()
     L, T, H, D = k.shape
-    k2, v2, header = roundtrip(k, v, CodecSpec(name, group_size=group))
+    k2, v2, header = roundtrip(k, v, CodecSpec(name, group_size=group, head=0, key_outliers=0))
     bits = BITS[name]
     if bits == 8:  # per token and head, both k and v
         assert header.group_size == D
@@ -85,7 +85,8 @@ def test_quantized_error_within_half_a_step_of_each_group(name, group):
 
 def test_more_bits_less_error():
     k, v = make_kv()
-    errs = [(roundtrip(k, v, CodecSpec(n, group_size=8))[0] - k).norm() / k.norm() for n in ("int2", "int4", "int8")]
+    errs = [(roundtrip(k, v, CodecSpec(n, group_size=8, key_outliers=0))[0] - k).norm() / k.norm()
+            for n in ("int2", "int4", "int8")]
     assert errs[0] > 3 * errs[1] > 9 * errs[2] and errs[2] < 0.01
 
 
@@ -94,7 +95,7 @@ def test_more_bits_less_error():
 def test_residual_tokens_are_exact_fp16(name, residual):
     k, v = make_kv()
     T = k.shape[1]
-    k2, v2, header = roundtrip(k, v, CodecSpec(name, residual=residual, group_size=16))
+    k2, v2, header = roundtrip(k, v, CodecSpec(name, residual=residual, group_size=16, head=0))
     r = min(residual, T)
     assert header.residual == r
     assert torch.equal(k2[:, T - r:], k[:, T - r:].half().float())
@@ -123,16 +124,97 @@ def test_bf16_input_and_output_dtypes(name):
     assert torch.equal(k32.bfloat16(), k2)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("head,residual", [(1, 0), (3, 2), (40, 0), (30, 30)])
+def test_head_tokens_are_exact_fp16(name, head, residual):
+    k, v = make_kv()
+    T = k.shape[1]
+    k2, v2, header = roundtrip(k, v, CodecSpec(name, head=head, residual=residual, group_size=16))
+    h = min(head, T - min(residual, T))
+    assert (header.head, header.residual) == (h, min(residual, T))
+    assert torch.equal(k2[:, :h], k[:, :h].half().float()) and torch.equal(v2[:, :h], v[:, :h].half().float())
+    if h + header.residual < T:
+        assert not torch.equal(v2[:, h:T - header.residual], v[:, h:T - header.residual].half().float())
+    later = decode(encode(k, v, meta(T), CodecSpec(name, head=head, residual=residual, group_size=16),
+                          sequence_start=False), namespace=NS)[2]
+    assert later.head == 0  # only a sequence's first chunk holds its attention sink
+
+
+def test_key_outlier_channels_get_twice_the_bits():
+    """int2 with m outlier channels: in every (layer, head) the m widest key channels are quantized
+    at 4 bits (half-step bound of 15 levels), the rest at 2; values are unaffected."""
+    k, v = make_kv(L=2, T=40, H=2, D=16)
+    L, T, H, D = k.shape
+    m, group = 5, 8
+    plain = roundtrip(k, v, CodecSpec("int2", group_size=group, head=0, key_outliers=0))
+    k2, v2, header = roundtrip(k, v, CodecSpec("int2", group_size=group, head=0, key_outliers=m))
+    assert header.key_outliers == m
+    assert torch.equal(v2, plain[1])
+    kc, kc2 = k.permute(0, 2, 3, 1), k2.permute(0, 2, 3, 1)  # [L, H, D, T]
+    wide = (kc.amax(-1) - kc.amin(-1)).topk(m, dim=-1).indices
+    is_wide = torch.zeros(L, H, D, dtype=torch.bool).scatter_(-1, wide, True)[..., None].expand_as(kc)
+    err = (kc2 - kc).abs()
+    assert (err[is_wide] <= group_bound(kc, group, 4)[is_wide]).all()
+    assert (err[~is_wide] <= group_bound(kc, group, 2)[~is_wide]).all()
+    assert not (err[is_wide] <= group_bound(kc, group, 4)[is_wide] / 4).all()  # really 4 bits, not more
+    assert (k2 - k).norm() < 0.5 * (plain[0] - k).norm()  # the wide channels held most of the error
+    # the mask costs ceil(L*H*D/8) bytes; outlier codes twice the bits of the rest
+    small = len(encode(k, v, meta(T), CodecSpec("int2", zstd=False, group_size=group, head=0, key_outliers=0)))
+    big = len(encode(k, v, meta(T), CodecSpec("int2", zstd=False, group_size=group, head=0, key_outliers=m)))
+    assert big - small == -(-L * H * D // 8) + L * H * m * T * (4 - 2) // 8
+
+
+def test_codec_defaults_fill_in_per_codec():
+    assert (CodecSpec("int2").head_tokens(), CodecSpec("int2").outlier_channels()) == (1, 16)
+    assert (CodecSpec("int4").head_tokens(), CodecSpec("int4").outlier_channels()) == (0, 0)
+    assert CodecSpec("int8", key_outliers=4).outlier_channels() == 0  # per-token int8 has no channels
+    assert (CodecSpec("int2", head=0, key_outliers=3).head_tokens(), CodecSpec("int2", key_outliers=3).outlier_channels()) == (0, 3)
+
+
+def as_version_1(blob: bytes) -> bytes:
+    """A version-2 blob without head tokens or outlier channels rewritten in format version 1
+    (48-byte fixed header, same payload), as a store written before version 2 holds it."""
+    body = bytearray(blob[:-16])
+    assert body[48:52] == b"\0\0\0\0", "only blobs without head tokens and outliers have a v1 form"
+    body[4] = 1
+    del body[48:52]
+    return bytes(body) + hashlib.blake2b(bytes(body), digest_size=16).digest()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_version_1_blobs_still_decode(name):
+    k, v = make_kv()
+    blob = encode(k, v, meta(k.shape[1]), CodecSpec(name, group_size=8, residual=3, head=0, key_outliers=0))
+    old = as_version_1(blob)
+    k1, v1, header = decode(old, namespace=NS)
+    k2, v2, _ = decode(blob, namespace=NS)
+    assert header.version == 1 and (header.head, header.key_outliers, header.residual) == (0, 0, 3)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_outlier_mask_that_does_not_match_the_header_is_corrupt():
+    k, v = make_kv(L=1, T=6, H=1, D=8)
+    blob = encode(k, v, meta(6), CodecSpec("int2", zstd=False, group_size=4, head=0, key_outliers=2))
+    start = 52 + 4 * 6 + 4  # payload: the mask byte comes first
+    body = bytearray(blob[:-16])
+    body[start] ^= 0xFF  # 6 channels marked instead of 2
+    bad = bytes(body) + hashlib.blake2b(bytes(body), digest_size=16).digest()
+    with pytest.raises(CorruptBlob, match="outlier mask"):
+        decode(bad, namespace=NS)
+
+
 def test_header_round_trips_token_ids_and_fields():
     k, v = make_kv(L=3, T=5, H=2, D=4)
     ids = (0, 1, 2**32 - 1, 7, 123456789)
-    blob = encode(k, v, ChunkMeta(NS, ids), CodecSpec("int2", group_size=4, residual=2, zstd_level=5))
+    blob = encode(k, v, ChunkMeta(NS, ids), CodecSpec("int2", group_size=4, residual=2, zstd_level=5,
+                                                       head=1, key_outliers=3))
     header = read_header(blob)
     assert header == decode(blob, namespace=NS)[2]
     assert (header.version, header.codec, header.zstd, header.src_dtype, header.shape) == (
-        1, "int2", True, torch.float32, (3, 5, 2, 4))
-    assert (header.group_size, header.residual, header.namespace, header.token_ids) == (4, 2, NS, ids)
-    assert header.payload_bytes == len(blob) - 48 - 4 * 5 - 4 - 16
+        2, "int2", True, torch.float32, (3, 5, 2, 4))
+    assert (header.group_size, header.residual, header.head, header.key_outliers) == (4, 2, 1, 3)
+    assert (header.namespace, header.token_ids) == (NS, ids)
+    assert header.payload_bytes == len(blob) - 52 - 4 * 5 - 4 - 16
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -170,9 +252,11 @@ def reseal(blob: bytes, offset: int, value: int) -> bytes:
 
 
 @pytest.mark.parametrize("offset,value,what", [
-    (0, ord("X"), "magic"), (4, 2, "version"), (5, 9, "codec"), (6, 2, "flags"), (7, 5, "dtype"),
+    (0, ord("X"), "magic"), (4, 3, "version"), (4, 1, "version"), (5, 9, "codec"), (6, 2, "flags"), (7, 5, "dtype"),
     (24, 0, "group"),  # int4 with group 0
     (28, 200, "residual"),  # residual past the chunk
+    (48, 7, "head"),  # head tokens past the chunk
+    (50, 5, "outliers"),  # more outlier channels than a head has
     (6, 0, "payload"),  # zstd flag cleared: payload size no longer matches
 ])
 def test_forged_headers_with_valid_checksum_are_corrupt(offset, value, what):
@@ -228,6 +312,7 @@ def test_kivi_pack_is_lossless(bits):
 def test_real_kv_compression_and_error(bundled_model):
     """int2 + zstd is >= 7x smaller than fp16 on real 256-token chunks, errors stay bounded."""
     from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache
+    from kvmesh.kv.rope import unrotate_keys
     from kvmesh.model.perplexity import reference_text
 
     lm, cfg = bundled_model, bundled_model.config
@@ -240,16 +325,25 @@ def test_real_kv_compression_and_error(bundled_model):
         lm.model.forward(torch.tensor(ids), torch.arange(T), kv, md)
     k = torch.stack([kc.view(-1, cfg.num_kv_heads, cfg.head_dim)[:T] for kc, _ in kv])  # [L, T, kvh, hd]
     v = torch.stack([vc.view(-1, cfg.num_kv_heads, cfg.head_dim)[:T] for _, vc in kv])
-    # measured worst k/v chunk: 0.0002, 0.0017, 0.008, 0.097, 0.48
-    max_rel_err = {"fp16": 1e-3, "bf16": 5e-3, "int8": 0.015, "int4": 0.15, "int2": 0.6}
-    for name in CODECS:
+    k = torch.cat([unrotate_keys(k[:, s:s + 256], s, lm.model.rotary) for s in range(0, T, 256)], dim=1)  # as stored
+
+    def run(spec):
         blob_bytes, errs = 0, []
-        for s in range(0, 512, 256):
+        for s in range(0, T, 256):
             kc, vc = k[:, s:s + 256], v[:, s:s + 256]
-            blob = encode(kc, vc, ChunkMeta(NS, tuple(ids[s:s + 256])), CodecSpec(name))
+            blob = encode(kc, vc, ChunkMeta(NS, tuple(ids[s:s + 256])), spec, sequence_start=s == 0)
             k2, v2, _ = decode(blob, namespace=NS, expect_shape=tuple(kc.shape))
             blob_bytes += len(blob)
             errs += [float((k2 - kc).norm() / kc.norm()), float((v2 - vc).norm() / vc.norm())]
+        return 2 * 2 * k.numel() / blob_bytes, errs
+
+    # measured worst k/v chunk: 0.0002, 0.0017, 0.008, 0.097, 0.48
+    max_rel_err = {"fp16": 1e-3, "bf16": 5e-3, "int8": 0.015, "int4": 0.15, "int2": 0.6}
+    for name in CODECS:
+        ratio, errs = run(CodecSpec(name))
         assert max(errs) < max_rel_err[name], (name, errs)
         if name == "int2":
-            assert 2 * 2 * k.numel() / blob_bytes >= 7.0
+            assert ratio >= 7.0
+            plain_ratio, plain_errs = run(CodecSpec(name, head=0, key_outliers=0))
+            # the 16 widest key channels at 4 bits: key error well down, for about 15% more bytes
+            assert max(errs[0::2]) < 0.8 * min(plain_errs[0::2]) and plain_ratio > ratio

@@ -82,6 +82,36 @@ def test_paged_attention_same_with_and_without_the_kernel(heads, kvh, hd, monkey
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_short_rows_over_context_attend_as_decode_rows(kernel, monkeypatch):
+    """A decode plus drafts being verified (a 4-token row over earlier context) goes through the
+    decode path, one row per token with its own causal context; it equals the masked-SDPA path
+    that longer chunks take, next to a plain decode and a fresh prompt."""
+    if kernel and paged_decode_kernel() is None:
+        pytest.skip("native kernel not built here")
+    if not kernel:
+        monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)
+    torch.manual_seed(2)
+    heads, kvh, hd = 9, 3, 64
+    kc, vc = torch.randn(2, 16, 4, kvh, hd).unbind(0)
+    # rows: decode (context 5), 4 tokens over 9 earlier (context 13), a fresh 2-token prompt
+    tables = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 6], [7, 0, 0, 0]])
+    slots = torch.tensor([2 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 0, 7 * 4 + 0, 7 * 4 + 1])
+    q = torch.randn(7, heads, hd)
+    k, v = torch.randn(2, 7, kvh, hd).unbind(0)
+
+    def run():
+        meta = AttentionMetadata.build(slots, [1, 4, 2], [5, 13, 2], tables, 4)
+        return meta, paged_attention(q, k, v, kc.clone(), vc.clone(), meta, hd ** -0.5)
+
+    meta, short = run()
+    assert meta.decode_rows == [0, 1, 1, 1, 1] and meta.decode_ctx.tolist() == [5, 10, 11, 12, 13]
+    monkeypatch.setattr(attention, "SHORT_ROWS", 1)  # every multi-token row takes the prefill path
+    meta, chunked = run()
+    assert meta.decode_rows == [0] and len(meta.prefills) == 2
+    torch.testing.assert_close(short, chunked, rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 def test_kernel_leaves_the_calling_threads_torch_threads_alone():
     """Another thread setting torch to one thread (the KV codec threads do) must not make the
