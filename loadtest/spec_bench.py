@@ -140,12 +140,13 @@ def run(quick: bool = False) -> list[dict]:
         draft = launcher.start_service("bench-draft", "kvmesh.services.draft", ["--threads", threads],
                                        launcher.free_port())
         procs.append(draft)
-        # k = 2: on this CPU a step's matmuls are compute-bound from 4 rows on (a plain step
-        # 33 ms; verifying 2 drafts 42 ms, 3 drafts 57 ms, 4 drafts 63 ms at a 600-token context).
-        # The model drafter needs ~30 ms per draft position here: a deadline that lets it through.
+        # The engine's defaults: up to 7 drafts per sequence while a step stays within 8 decode
+        # rows (fp32 steps of 1-8 rows stream the weights once, kvmesh.model.native), 2 each
+        # beyond. The model drafter needs ~30 ms per draft position here: a deadline that lets
+        # it through.
         engine = launcher.start_service("bench-engine", "kvmesh.services.engine",
                                         ["--threads", threads, "--draft-address", draft.address,
-                                         "--spec-max-draft-tokens", "2", "--draft-timeout-s", "1.0"],
+                                         "--draft-timeout-s", "1.0"],
                                         launcher.free_port())
         procs.append(engine)
         for workload, texts in workloads.items():

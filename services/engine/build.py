@@ -50,7 +50,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching,
                       kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
-                      spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens),
+                      spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens,
+                                      cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
                       blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers, cfg.blend_selection))
 
 

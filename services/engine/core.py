@@ -90,8 +90,20 @@ class SpecConfig:
 
     default_mode: SpecMode = SpecMode.NGRAM
     """Mode of requests that name none."""
-    max_draft_tokens: int = 4
-    """Most drafts verified per sequence and step (k)."""
+    max_draft_tokens: int = 7
+    """Most drafts verified per sequence and step (k), given while the step stays within
+    `step_rows` decode rows (a token plus its drafts per speculating sequence)."""
+    batch_draft_tokens: int = 2
+    """Drafts per sequence when that would pass `step_rows` (several sequences speculate)."""
+    step_rows: int = 8
+    """Decode rows a step may give to drafts at full length: up to kvmesh.model.native's
+    LINEAR_ROWS a step's matmuls stream the weights once (a 7-draft step costs ~1.5x a plain
+    decode here); past that MKL's matrix-matrix code makes every extra row cost more."""
+
+    def draft_tokens(self, speculating: int) -> int:
+        """k for each of `speculating` sequences in one step (before each one's own cap)."""
+        fit = self.step_rows // max(speculating, 1) - 1
+        return max(min(self.max_draft_tokens, fit), min(self.batch_draft_tokens, self.max_draft_tokens))
 
 
 @dataclass(frozen=True)
@@ -405,16 +417,18 @@ class EngineCore:
         if not self.drafts.available:
             return {}
         adaptive_off = gated is not None and not gated[1]
-        queries = []
+        candidates = []
         for seq in self.scheduler.running:
             state = self._states[seq.request_id]
             if (state.spec_mode is SpecMode.OFF or not seq.output_token_ids
                     or seq.num_tokens - seq.num_computed_tokens != 1
                     or (adaptive_off and state.spec_mode is SpecMode.ADAPTIVE)):
                 continue
-            k = min(self.spec_config.max_draft_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
-            if k > 0:
-                queries.append(DraftQuery(seq, k, state.spec_mode))
+            if seq.params.max_tokens - seq.num_output_tokens > 1:
+                candidates.append((seq, state.spec_mode))
+        per_seq = self.spec_config.draft_tokens(len(candidates))
+        queries = [DraftQuery(seq, min(per_seq, seq.params.max_tokens - seq.num_output_tokens - 1), mode)
+                   for seq, mode in candidates]
         if not queries:
             return {}
         # The Propose call (one for the batch) becomes a span of the first speculating request.

@@ -21,6 +21,24 @@ from torch import nn
 
 from kvmesh.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvmesh.model.config import ModelConfig
+from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose fp32 CPU calls of at most ``LINEAR_ROWS`` rows (decode steps, a decode
+    with its drafts) run kvmesh.model.native's skinny kernel: it streams the weights once for all
+    rows, so verifying 7 drafts costs ~1.5x a plain decode's matmuls instead of MKL's ~2.3x, and a
+    row's result does not depend on the other rows (the same bits alone or beside its drafts).
+    Anything else -- more rows, other dtypes or devices, autograd, no kernel -- is F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] <= LINEAR_ROWS and x.dtype == torch.float32 and self.bias is None
+                and x.device.type == "cpu" and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
+                and not (torch.is_grad_enabled() and self.weight.requires_grad)):
+            kernel = linear_rows_kernel()
+            if kernel is not None:
+                return kernel(x.contiguous(), self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -89,9 +107,9 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         # rows: q heads, then k heads, then v heads (each head_dim rows)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
                                   bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x: [..., T, hidden] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]
@@ -122,8 +140,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate rows, then up
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -183,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)

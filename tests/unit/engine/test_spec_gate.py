@@ -47,7 +47,8 @@ def test_the_engine_leaves_adaptive_requests_out_of_propose_when_the_gate_says_s
     tiny = load_tiny(make_tiny_checkpoint(tmp_path))
     fake = FakeDraftService(propose=lambda rid, history, k: history[-k:])
     try:
-        core = make_core(tiny, draft_address=fake.address, speculation="ngram")
+        core = make_core(tiny, draft_address=fake.address, speculation="ngram", spec_max_draft_tokens=4,
+                             spec_step_rows=256)
         decisions = []
 
         def allow(batch):

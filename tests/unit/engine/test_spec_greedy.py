@@ -32,6 +32,7 @@ def _prompts(n, base=20, step=7):
 
 def _spec_core(tiny, fake, **kw):
     kw.setdefault("spec_max_draft_tokens", K)
+    kw.setdefault("spec_step_rows", 256)  # every sequence gets K (the row budget has its own test)
     return make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, **kw)
 
 
@@ -275,3 +276,23 @@ def test_last_accepted_feeds_back_each_verification_once(tiny, fake):
     sent = [s.last_accepted if s.HasField("last_accepted") else None for c in fake.calls for s in c.sequences]
     assert sent == [None] + [1] * (len(sent) - 1)
     assert len(sent) == _expected_counts(14, K, lambda n: 1)[0]
+
+
+def test_drafts_per_sequence_shrink_to_fit_the_step_rows(tiny, fake):
+    """One speculating sequence gets spec_max_draft_tokens; when several speculate, each gets
+    what keeps the step within spec_step_rows, but never fewer than spec_batch_draft_tokens."""
+    prompts, params = _prompts(4), greedy(12, ignore_eos=True)
+    plain = _plain(tiny, prompts, params)
+    fake.propose = oracle_drafts(prompts, {r: v["tokens"] for r, v in plain.items()})
+    core = _spec_core(tiny, fake, spec_max_draft_tokens=7, spec_batch_draft_tokens=2, spec_step_rows=8)
+    got = run_all(core, prompts, params)
+    assert all(got[r]["tokens"] == plain[r]["tokens"] for r in prompts)
+    asked = [ks for ks in fake.proposed_lengths() if ks]
+    by_batch = {}
+    for ks in asked:
+        by_batch[len(ks)] = max(by_batch.get(len(ks), 0), *ks)
+    assert by_batch.get(4) == 2 and by_batch.get(2, 3) == 3  # 8 // 4 - 1 = 1 -> the floor 2; 8 // 2 - 1 = 3
+    single = _spec_core(tiny, fake, spec_max_draft_tokens=7, spec_step_rows=8)
+    fake.calls.clear()
+    run_all(single, {"r0": prompts["r0"]}, greedy(20, ignore_eos=True))
+    assert max(max(ks) for ks in fake.proposed_lengths() if ks) == 7

@@ -24,7 +24,7 @@ def test_settings_from_flags_and_environment():
     assert (cfg.draft_address, cfg.speculation, cfg.spec_max_draft_tokens) == ("10.0.0.5:50081", "adaptive", 6)
     assert (cfg.draft_timeout_s, cfg.draft_retry_s) == (0.05, 1.0)
     default = load_config(EngineConfig, "engine", [], environ={})
-    assert (default.draft_address, default.speculation, default.spec_max_draft_tokens) == (None, "ngram", 4)
+    assert (default.draft_address, default.speculation, default.spec_max_draft_tokens) == (None, "adaptive", 7)
     with pytest.raises(ConfigError, match="KVMESH_ENGINE_SPECULATION"):
         load_config(EngineConfig, "engine", [], environ={"KVMESH_ENGINE_SPECULATION": "always"})
     with pytest.raises(ConfigError, match="spec-max-draft-tokens"):

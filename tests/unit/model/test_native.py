@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import kvmesh.model.attention as attention
 from kvmesh.model.attention import AttentionMetadata, paged_attention
-from kvmesh.model.native import paged_decode_kernel
+from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel, paged_decode_kernel
 
 kernel = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the native kernel could not be built here "
@@ -120,7 +120,7 @@ def test_kernel_leaves_the_calling_threads_torch_threads_alone():
     counts are per-process state."""
     code = """
 import threading, torch
-from kvmesh.model.native import paged_decode_kernel
+from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel, paged_decode_kernel
 torch.set_num_threads(2)
 def step_loop():
     torch.ones(4).sum()  # this thread's first torch op, as the engine's step loop does at build
@@ -160,3 +160,72 @@ def test_native_w8a8_ops_equal_the_torch_arithmetic():
     torch.testing.assert_close(rescale_rows(acc, step, w), acc.float() * step * w, rtol=1e-6, atol=0)
     with pytest.raises(RuntimeError, match="quantize_rows"):
         quantize_rows(x.double(), inv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(576, 960), (100, 37), (16, 5), (7, 3)])
+def test_linear_rows_equals_f_linear_and_each_row_is_independent_of_the_others(K, N):
+    """1..8 rows against F.linear, for widths with and without a 16-float tail and weight counts
+    that do not fill its blocks; and every row of an M-row call is bit for bit the 1-row call."""
+    torch.manual_seed(3)
+    w, x = torch.randn(N, K), torch.randn(LINEAR_ROWS, K)
+    kernel = linear_rows_kernel()
+    for m in range(1, LINEAR_ROWS + 1):
+        y = kernel(x[:m].contiguous(), w)
+        torch.testing.assert_close(y, F.linear(x[:m], w), rtol=1e-5, atol=1e-4)
+        for i in range(m):
+            assert torch.equal(y[i], kernel(x[i:i + 1].contiguous(), w)[0])
+
+
+@needs_kernel
+def test_linear_rows_refuses_what_it_cannot_compute():
+    kernel = linear_rows_kernel()
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        kernel(torch.randn(LINEAR_ROWS + 1, 16), torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernel(torch.randn(2, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        kernel(torch.randn(2, 16), torch.randn(4, 8))
+
+
+def test_model_linear_takes_the_kernel_only_where_it_applies(monkeypatch):
+    """kvmesh's Linear: 2-D fp32 CPU inputs of at most LINEAR_ROWS rows without autograd go to
+    the kernel; more rows, 3-D, bf16 and autograd go to F.linear."""
+    import kvmesh.model.llama as llama
+
+    calls = []
+    monkeypatch.setattr(llama, "linear_rows_kernel", lambda: lambda x, w: calls.append(x.shape) or F.linear(x, w))
+    lin = llama.Linear(16, 8, bias=False)
+    with torch.inference_mode():
+        for shape in [(1, 16), (LINEAR_ROWS, 16), (LINEAR_ROWS + 1, 16), (2, 3, 16)]:
+            lin(torch.randn(*shape))
+        lin.to(torch.bfloat16)(torch.randn(2, 16, dtype=torch.bfloat16))
+    lin.float()
+    lin(torch.randn(2, 16))  # grad enabled, weight requires grad
+    assert calls == [(1, 16), (LINEAR_ROWS, 16)]
+
+
+@needs_kernel
+def test_verifying_drafts_computes_each_row_as_a_plain_decode_would(tmp_path):
+    """fp32 on CPU, one sequence: a step of 1 + k tokens over its context (a decode plus k drafts
+    being verified) gives, row for row, the same logits bit for bit as k + 1 single-token decode
+    steps -- skinny matmuls and per-row decode attention make a row independent of its step. So
+    greedy speculative decoding reproduces plain decoding exactly, not only up to ties."""
+    from engine_utils import load_tiny, make_tiny_checkpoint
+
+    lm = load_tiny(make_tiny_checkpoint(tmp_path))
+    kv = attention.allocate_kv_cache(lm.config, 8, 16, torch.float32, "cpu")
+    table = torch.arange(8)[None]
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
+
+    def step(tokens, start):
+        pos = torch.arange(start, start + len(tokens))
+        meta = AttentionMetadata(slot_mapping=pos.clone(), query_lens=[len(tokens)], context_lens=[start + len(tokens)],
+                                 block_tables=table)
+        return lm.model.compute_logits(lm.model(tokens, pos, kv, meta))
+
+    with torch.inference_mode():
+        step(ids[:30], 0)
+        single = torch.cat([step(ids[30 + i:31 + i], 30 + i) for i in range(LINEAR_ROWS)])
+        verify = step(ids[30:30 + LINEAR_ROWS], 30)  # the same positions, rewritten with the same KV
+    assert torch.equal(single, verify)
