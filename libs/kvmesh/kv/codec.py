@@ -296,7 +296,10 @@ def decode(blob: bytes, *, namespace: bytes, dtype: torch.dtype = torch.float32,
         vq = _dequantize_part(sections, (L, Q, H, D), bits, header.group_size, per_channel=False)
         fp16 = [_unshuffle16(next(sections), torch.float16).view(L, n, H, D).float()
                 for n in (head, head, residual, residual)]
-        k, v = torch.cat([fp16[0], kq, fp16[2]], dim=1), torch.cat([fp16[1], vq, fp16[3]], dim=1)
+        if head or residual:
+            k, v = torch.cat([fp16[0], kq, fp16[2]], dim=1), torch.cat([fp16[1], vq, fp16[3]], dim=1)
+        else:  # no copy: the cast below makes them contiguous
+            k, v = kq, vq
     contiguous = torch.contiguous_format
     return k.to(dtype, memory_format=contiguous), v.to(dtype, memory_format=contiguous), header
 
