@@ -52,7 +52,9 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
                       kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
                       spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens,
                                       cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
-                      blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers, cfg.blend_selection))
+                      blend=BlendConfig(cfg.blend_recompute_ratio,
+                                        min(cfg.blend_select_layers, max(1, loaded.config.num_layers - 1)),
+                                        cfg.blend_selection))
 
 
 def build_draft_client(cfg: EngineConfig, loaded: LoadedModel) -> DraftClient | None:

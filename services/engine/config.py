@@ -49,7 +49,7 @@ class EngineConfig:
     draft_timeout_s: float = setting(0.1, "Deadline of one Propose call (all speculating sequences of a step); a late or failed call means plain decoding for that step.", min=0.001)
     draft_retry_s: float = setting(2.0, "After a failed Propose call, decode without drafts for this long before calling the draft service again.", min=0.0)
     blend_recompute_ratio: float = setting(0.15, "Prompts with documents: share of the reused document tokens whose KV is recomputed with the new context (0 = pure reuse, 1 = full prefill); a request's blend.recompute_ratio overrides it.", min=0.0, max=1.0)
-    blend_select_layers: int = setting(1, "Leading layers run over every prompt token to choose the tokens to recompute (1..layers-1).", min=1)
+    blend_select_layers: int = setting(2, "Leading layers run over every prompt token to choose the tokens to recompute (1..layers-1; capped at layers-1 for shallower models).", min=1)
     blend_selection: str = setting("deviation+attention", "How blending picks the tokens to recompute: by KV deviation alone (CacheBlend), or by deviation plus the attention the prompt's last tokens pay them.", choices=("deviation", "deviation+attention"))
     grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
     otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")

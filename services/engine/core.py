@@ -68,7 +68,7 @@ class BlendConfig:
 
     recompute_ratio: float = 0.15
     """Share of reused document tokens recomputed, for requests that set none."""
-    select_layers: int = 1
+    select_layers: int = 2
     """Leading layers run over every token to choose which to recompute."""
     selection: str = "deviation+attention"
     """kvmesh.kv.blend.SELECTIONS: how the recomputed tokens are chosen."""

@@ -19,12 +19,23 @@ NOTE (the algorithm, as built here).
   3. Select R = all new-text tokens + the round(recompute_ratio * cached) cached tokens of
      largest score + the last prompt token (its logits are the output). The score is the
      deviation (selection "deviation", CacheBlend's criterion), or by default the deviation plus
-     the attention the prompt's last 32 tokens (the question, in RAG) pay each token at layer s,
-     each scaled to mean 1 over the cached tokens ("deviation+attention"): a token whose KV is
-     off matters most where the end of the prompt reads it. Measured on two sets of 12 shuffled
-     RAG prompts (kvmesh bench blend's and another shuffle): reference-answer perplexity at 15%
-     +7.4% -> +3.4% and +23% -> +17%, better at 5% and 30% too; attention alone was far worse
-     (it misses the tokens whose KV is off), the product of the two unstable across the sets.
+     ATTENTION_WEIGHT (3) times the attention the prompt's last 32 tokens (the question, in RAG)
+     pay each token at layer s, each term scaled to mean 1 over the cached tokens
+     ("deviation+attention"): a token whose KV is off matters most where the end of the prompt
+     reads it. Attention alone was far worse (+80% at 15%: it misses the tokens whose KV is off).
+     Measured on four sets of 12 shuffled RAG prompts (kvmesh bench blend's, seed 7, and three
+     other shuffles of the same sections, seeds 11, 23, 31), reference-answer perplexity at 15%,
+     mean of per-prompt deltas:
+         deviation, s = 1                        +7.4%  +23.0%     -        -
+         deviation+attention, s = 1, weight 1    +3.4%  +17.1%  +13.8%  +15.3%
+         deviation+attention, s = 2, weight 2    +1.1%  +12.8%   +9.5%  +11.8%
+         deviation+attention, s = 2, weight 3    +1.0%  +13.0%   +7.7%  +10.7%   (default)
+         deviation+attention, s = 2, weight 5    -1.3%  +12.3%   +6.3%  +11.2%
+         deviation+attention, s = 3 / 4, wt. 1   +3.3% / +5.0%  +13.7% / +13.0%
+     and with CacheBlend's true deviation over all layers (an oracle: the full prefill's KV) in
+     place of the probe's: +7.8% and +20.5% on the first two -- the tokens whose KV is most off
+     are not the ones the answer needs. The benchmark's set is the easiest of the four; on the
+     others 15% leaves +8-13%, 30% about half that.
   4. Blend (layers s..L-1, R only). Only R's hidden states go on; at layer l every token of R
      computes fresh q/k/v, and its query attends, causally by prompt position, to the mixture:
      fresh K/V for tokens in R, reused K/V for all others.
@@ -36,8 +47,7 @@ NOTE (the algorithm, as built here).
   of pydoc_data.topics per prompt, 1.4-2.7k tokens, through the engine): TTFT vs full prefill
   6.1x lower at ratio 0, 3.6x at 0.15, 2.5x at 0.3 with the engine's hot document LRU (2.5x at
   0.15 fetching from the KV service every time); reference-answer perplexity +121%, +3.4%,
-  +2.3% (deviation alone: +7.4%, +4.9%). Selecting on deeper layers (select_layers 3..12) was
-  no better at 0.15.
+  +2.3% with s = 1 and weight 1 (deviation alone: +7.4%, +4.9%); see 3. for the defaults.
   Stages: `BlendPrefill.probe` (layers < s over every token, and layer s's q/k/v) needs only the
   token ids, so the engine runs it while the cached KV is still being fetched; `finish` does the
   rest. The recomputed tokens attend in up to 8 runs, each only to the keys up to its last
@@ -198,6 +208,10 @@ deviation plus how much the prompt's last QUERY_TAIL tokens attend to each token
 layer (see the NOTE)."""
 
 QUERY_TAIL = 32
+ATTENTION_WEIGHT = 3.0
+"""Weight of the attention term against the deviation term (each scaled to mean 1), see the NOTE."""
+SELECT_LAYERS = 2
+"""Default probe depth s (see the NOTE)."""
 
 
 def _attention_share(layer, q: torch.Tensor, k: torch.Tensor, tail: int) -> torch.Tensor:
@@ -231,7 +245,7 @@ class BlendPrefill:
     token, and layer s's q/k/v); `finish(segments, ratio)` brings the cached KV in, selects and
     recomputes. `finish` probes first if `probe` was not called. One use per instance."""
 
-    def __init__(self, model, token_ids: Sequence[int], select_layers: int = 1,
+    def __init__(self, model, token_ids: Sequence[int], select_layers: int = SELECT_LAYERS,
                  selection: str = "deviation+attention") -> None:
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
@@ -308,7 +322,7 @@ class BlendPrefill:
             # much, or that the prompt's end attends to much, is worth recomputing.
             share = _attention_share(layers[s], q, fresh[s][0], QUERY_TAIL)
             score = (deviation / deviation[cached].mean().clamp_min(1e-12)
-                     + share / share[cached].mean().clamp_min(1e-12))
+                     + ATTENTION_WEIGHT * share / share[cached].mean().clamp_min(1e-12))
         active = _select(score, cached, recompute_ratio)  # [R] ascending
         for j, (k, v) in enumerate(fresh[:s]):
             out_k[j, active] = k[active]
@@ -331,7 +345,7 @@ class BlendPrefill:
 
 
 def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0.15,
-                  select_layers: int = 1, selection: str = "deviation+attention") -> BlendResult:
+                  select_layers: int = SELECT_LAYERS, selection: str = "deviation+attention") -> BlendResult:
     """Prefill the prompt made of `segments`, reusing cached segments' KV (see the NOTE): both
     stages of BlendPrefill at once.
 
