@@ -140,10 +140,10 @@ def run(quick: bool = False) -> list[dict]:
         draft = launcher.start_service("bench-draft", "kvmesh.services.draft", ["--threads", threads],
                                        launcher.free_port())
         procs.append(draft)
-        # The engine's defaults: up to 7 drafts per sequence while a step stays within 8 decode
-        # rows (fp32 steps of 1-8 rows stream the weights once, kvmesh.model.native), 2 each
-        # beyond. The model drafter needs ~30 ms per draft position here: a deadline that lets
-        # it through.
+        # The engine's defaults: drafts fitted to 8 decode rows a step (fp32 steps of 1-8 rows
+        # stream the weights once, kvmesh.model.native): up to 7 for one sequence, none when the
+        # speculating sequences cannot each get one. The model drafter needs ~30 ms per draft
+        # position here: a deadline that lets it through.
         engine = launcher.start_service("bench-engine", "kvmesh.services.engine",
                                         ["--threads", threads, "--draft-address", draft.address,
                                          "--draft-timeout-s", "1.0"],

@@ -13,8 +13,11 @@ from kvmesh.services.engine.sampling import SamplingParams
 def make_core(loaded, **overrides) -> EngineCore:
     """An EngineCore on `loaded` with a small KV pool unless overridden. Requests that name no
     speculation mode draft with the n-gram mode (the deployment default, adaptive, lets the
-    SpecGate skip drafting steps, which the tests of the drafting mechanics set up on purpose)."""
-    base = dict(num_blocks=512, block_size=16, max_num_batched_tokens=256, speculation="ngram")
+    SpecGate skip drafting steps, which the tests of the drafting mechanics set up on purpose),
+    and every speculating sequence gets its drafts whatever the batch (the deployment default
+    fits drafts to 8 rows a step; its own test sets that up)."""
+    base = dict(num_blocks=512, block_size=16, max_num_batched_tokens=256, speculation="ngram",
+                spec_step_rows=256)
     base.update(overrides)
     return build_core(EngineConfig(**base), loaded)
 

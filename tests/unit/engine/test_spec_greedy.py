@@ -296,3 +296,10 @@ def test_drafts_per_sequence_shrink_to_fit_the_step_rows(tiny, fake):
     fake.calls.clear()
     run_all(single, {"r0": prompts["r0"]}, greedy(20, ignore_eos=True))
     assert max(max(ks) for ks in fake.proposed_lengths() if ks) == 7
+    # the default floor 0: five sequences cannot each get a draft within 8 rows, so none is asked
+    five = _prompts(5)
+    crowded = _spec_core(tiny, fake, spec_max_draft_tokens=7, spec_step_rows=8)
+    fake.calls.clear()
+    got = run_all(crowded, five, greedy(12, ignore_eos=True))
+    assert all(got[r]["tokens"] == _plain(tiny, {r: five[r]}, greedy(12, ignore_eos=True))[r]["tokens"] for r in five)
+    assert fake.calls == []
