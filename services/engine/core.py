@@ -429,12 +429,10 @@ class EngineCore:
             if seq.params.max_tokens - seq.num_output_tokens > 1:
                 candidates.append((seq, state.spec_mode))
         per_seq = self.spec_config.draft_tokens(len(candidates))
-        if per_seq == 0:
+        if not candidates or per_seq == 0:
             return {}
         queries = [DraftQuery(seq, min(per_seq, seq.params.max_tokens - seq.num_output_tokens - 1), mode)
                    for seq, mode in candidates]
-        if not queries:
-            return {}
         # The Propose call (one for the batch) becomes a span of the first speculating request.
         token = otel_context.attach(self._states[queries[0].seq.request_id].trace_context or otel_context.Context())
         try:

@@ -35,7 +35,7 @@ NOTE (the algorithm, as built here).
      and with CacheBlend's true deviation over all layers (an oracle: the full prefill's KV) in
      place of the probe's: +7.8% and +20.5% on the first two -- the tokens whose KV is most off
      are not the ones the answer needs. The benchmark's set is the easiest of the four; on the
-     others 15% leaves +8-13%, 30% about half that.
+     others 15% leaves +8-13% (30%: +7.9% on the second set, weight 2).
   4. Blend (layers s..L-1, R only). Only R's hidden states go on; at layer l every token of R
      computes fresh q/k/v, and its query attends, causally by prompt position, to the mixture:
      fresh K/V for tokens in R, reused K/V for all others.

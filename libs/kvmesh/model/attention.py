@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.model.config import ModelConfig
-from kvmesh.model.native import paged_decode_kernel
+from kvmesh.model.native import LINEAR_ROWS, paged_decode_kernel
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-SHORT_ROWS = 8
-"""Rows of at most this many new tokens over earlier context are attended as decode rows."""
+SHORT_ROWS = LINEAR_ROWS
+"""Rows of at most this many new tokens over earlier context are attended as decode rows (as
+many as the skinny matmul takes: together a verify step computes each row as a decode would)."""
 
 
 @dataclass
