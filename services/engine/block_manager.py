@@ -20,6 +20,8 @@ class BlockKey:
     parent_hash: bytes
     token_ids: tuple[int, ...]
     namespace: bytes
+    """The sequence's KvNamespace digest (kvmesh.kv.namespace): other models, layouts, storage
+    formats and tenants never match."""
 
 
 def hash_block(key: BlockKey) -> bytes:
@@ -77,8 +79,6 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        *,
-        namespace: bytes = b"",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the KV cache more memory")
@@ -87,8 +87,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.namespace = namespace
-        """Model identity + KV layout: blocks from another namespace never match."""
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
@@ -136,7 +134,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        namespace = self.namespace + seq.cache_salt
+        namespace = seq.namespace
         parent = ROOT_HASH
         block_ids: list[int] = []
         for i in range((seq.num_tokens - 1) // bs):
@@ -161,7 +159,7 @@ class BlockManager:
         while start > 0 and self._blocks[table[start - 1]].block_hash is None:
             start -= 1
         parent = ROOT_HASH if start == 0 else self._blocks[table[start - 1]].block_hash
-        namespace = self.namespace + seq.cache_salt
+        namespace = seq.namespace
         for i in range(start, num_full):
             block = self._blocks[table[i]]
             key = BlockKey(parent, tuple(seq.token_ids(i * bs, (i + 1) * bs)), namespace)

@@ -9,18 +9,20 @@ import torch
 from kvmesh.config import ConfigError
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.kv.codec import CodecSpec
-from kvmesh.kv.keys import KvLayout
+from kvmesh.kv.namespace import KvLayout, KvNamespace
 from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.model.native import paged_decode_kernel
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.core import BlendConfig, EngineCore, SpecConfig
+from kvmesh.services.engine.blending import BlendConfig
+from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.draft_client import DraftClient, DraftClientConfig
 from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
 from kvmesh.services.engine.scheduler import SchedulerConfig
 from kvmesh.services.engine.speculation import SpecMode
+from kvmesh.services.engine.speculator import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
         max_model_len=max_len, block_size=cfg.block_size, max_waiting=cfg.max_waiting)
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
-    return EngineCore(loaded, runner, sched, enable_prefix_caching=cfg.enable_prefix_caching,
-                      kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
+    return EngineCore(loaded, runner, sched, namespace=engine_namespace(loaded),
+                      enable_prefix_caching=cfg.enable_prefix_caching, kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
                       spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens,
                                       cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
                       blend=BlendConfig(cfg.blend_recompute_ratio,
@@ -84,10 +86,16 @@ def serve_layers(loaded: LoadedModel, cfg: EngineConfig) -> LoadedModel:
 
 
 def kv_layout(loaded: LoadedModel) -> KvLayout:
-    """What one token's KV looks like for this model: part of every KV-service namespace."""
+    """What one token's KV looks like for this model, stored keys' RoPE convention and base
+    included (a key un-rotated with another base is another key)."""
     c = loaded.config
     return KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."),
-                    rope=STORED_KEYS)
+                    rope=f"{STORED_KEYS} theta={c.rope_theta:g}")
+
+
+def engine_namespace(loaded: LoadedModel) -> KvNamespace:
+    """The engine's KV identity: built once, here; requests derive theirs (tenant, storage) from it."""
+    return KvNamespace(loaded.identity, kv_layout(loaded))
 
 
 def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | None:
@@ -99,8 +107,7 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
                      head=cfg.kv_head_tokens, key_outliers=cfg.kv_key_outliers)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s,
                                          hot_bytes=cfg.kv_hot_bytes),
-                       model_identity=loaded.identity, layout=layout, dtype=loaded.dtype, block_size=cfg.block_size,
-                       rotary=loaded.model.rotary)
+                       layout=layout, dtype=loaded.dtype, block_size=cfg.block_size, rotary=loaded.model.rotary)
     log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,
              cfg.kv_codec, "+zstd" if cfg.kv_zstd else "")
     return conn
@@ -127,4 +134,4 @@ def build_async_engine(cfg: EngineConfig) -> AsyncEngine:
         log.info("torch threads: %d", threads)
         return build_core(cfg)
 
-    return AsyncEngine(build, max_waiting=cfg.max_waiting)
+    return AsyncEngine(build)

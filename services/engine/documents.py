@@ -29,14 +29,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument
-from kvmesh.kv.blend import Segment
+from kvmesh.kv.blend import BlendPrefill, Segment
+from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import document_chunks
+from kvmesh.kv.namespace import KvNamespace
 from kvmesh.prompt_parts import CatalogDocument, InlineDocument, Part, Retrieval, Tokens
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.kv_connector import KvConnector
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +82,16 @@ class ResolvedPrompt:
     """Catalogued documents used, in prompt order (cited and retrieved)."""
 
 
-async def resolve(parts: list[Part], kv, namespace: bytes | None) -> ResolvedPrompt:
-    """Token ids of the prompt and where its documents sit. `kv` (a KvConnector, or None) is
-    needed for catalogued documents and retrieval (FailedPrecondition without it)."""
+async def resolve(parts: list[Part], kv: Optional[KvConnector], namespace: KvNamespace) -> ResolvedPrompt:
+    """Token ids of the prompt and where its documents sit. `kv` is needed for catalogued
+    documents and retrieval (FailedPrecondition without it)."""
     check_parts(parts)
     ids: list[int] = []
     spans: list[DocumentSpan] = []
     used: list[str] = []
 
     async def catalogued(doc_id: str) -> None:
-        doc = await kv.get_document(namespace, doc_id)
+        doc = await kv.client.get_document(namespace, doc_id)
         if not doc.token_ids:
             raise FailedPrecondition(f"document {doc_id!r} has no token ids in the catalog; ingest it again")
         spans.append(DocumentSpan(len(ids), len(ids) + len(doc.token_ids), doc_id))
@@ -106,7 +111,7 @@ async def resolve(parts: list[Part], kv, namespace: bytes | None) -> ResolvedPro
             if isinstance(p, CatalogDocument):
                 await catalogued(p.document_id)
             else:
-                for j, doc_id in enumerate(await kv.search_documents(namespace, p.query, p.k)):
+                for j, doc_id in enumerate(await kv.client.search_documents(namespace, p.query, p.k)):
                     if j:
                         ids.extend(p.separator)
                     await catalogued(doc_id)
@@ -121,23 +126,25 @@ class BlendPlan:
     recompute_ratio: float
     cached_tokens: int
     """Prompt tokens whose KV comes from cached document chunks."""
-    job: object | None = None
-    """A kvmesh.kv.blend.BlendPrefill whose probe stage ran (or runs) while the KV was fetched."""
+    job: Optional[BlendPrefill] = None
+    """A blend whose probe stage ran (or runs) while the KV was fetched."""
 
 
 @dataclass
 class DocumentExports:
     """Document chunks the service lacked: stored by content key once the prompt is computed."""
 
-    namespace: bytes
+    namespace: KvNamespace
     chunks: list[tuple[bytes, int, int]] = field(default_factory=list)  # key, prompt start, end
+    spec: Optional[CodecSpec] = None
+    """Codec the chunks are stored with; None = the deployment's."""
     on_done: Optional[Callable[[bool], None]] = None
     """Called once every chunk is stored (True) or one was given up (False); any thread."""
 
 
-async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: float,
-                         start_probe: Callable[[list[int]], object] | None = None
-                         ) -> tuple[BlendPlan | None, DocumentExports]:
+async def plan_documents(prompt: ResolvedPrompt, kv: KvConnector, namespace: KvNamespace, ratio: float,
+                         start_probe: Callable[[list[int]], BlendPrefill] | None = None,
+                         spec: Optional[CodecSpec] = None) -> tuple[BlendPlan | None, DocumentExports]:
     """Looks up and fetches every document chunk; a BlendPlan when any is cached (and ratio < 1:
     ratio 1 is a full prefill), and the chunks to store afterwards. `start_probe(token_ids)`
     starts the blend's first stage on the step loop as soon as the lookup found cached chunks,
@@ -147,8 +154,9 @@ async def plan_documents(prompt: ResolvedPrompt, kv, namespace: bytes, ratio: fl
     where: list[tuple[bytes, int, int]] = []  # key, prompt start, end
     for span in prompt.documents:
         doc = prompt.token_ids[span.start:span.end]
-        where += [(key, span.start + a, span.start + b) for a, b, key in document_chunks(doc, chunk, namespace)]
-    exports = DocumentExports(namespace)
+        where += [(key, span.start + a, span.start + b)
+                  for a, b, key in document_chunks(doc, chunk, namespace.digest())]
+    exports = DocumentExports(namespace, spec=spec)
     try:
         present = await kv.lookup([key for key, _, _ in where])
     except Exception:  # noqa: BLE001 - optional: the service down means compute (and try to store)

@@ -4,10 +4,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.services.engine.block_manager import BlockManager
 from kvmesh.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.sequence import KvPayload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +74,7 @@ class KvImport:
     positions below `start` were prefix-cache hits)."""
 
     seq: Sequence
-    payload: object
+    payload: KvPayload
     start: int
     end: int
     payload_start: int = 0
@@ -186,16 +190,20 @@ class Scheduler:
             raise InvalidArgument("the prompt is empty; send at least one token")
         if seq.request_id in self._by_id:
             raise InvalidArgument(f"request id {seq.request_id!r} is already in use; pick a unique id")
-        bs, bm = self.config.block_size, self.block_manager
-        max_len = seq.num_prompt_tokens + seq.params.max_tokens
-        if -(-max_len // bs) > bm.num_blocks:
-            raise InvalidArgument(
-                f"prompt + max_tokens ({max_len} tokens) needs {-(-max_len // bs)} KV blocks but the "
-                f"cache holds {bm.num_blocks}; shorten the prompt or lower max_tokens"
-            )
+        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """InvalidArgument when a sequence of this length could never fit in the KV cache (the
+        engine checks it at its edge too, before fetching any KV)."""
+        max_len = prompt_tokens + max_tokens
+        needed, have = -(-max_len // self.config.block_size), self.block_manager.num_blocks
+        if needed > have:
+            raise InvalidArgument(
+                f"prompt + max_tokens ({max_len} tokens) needs {needed} KV blocks but the cache holds "
+                f"{have}; shorten the prompt, lower max_tokens or raise the engine's --kv-cache-bytes")
 
     def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
         """Plan one step (see the NOTE). Allocates the blocks the planned tokens need.

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from kvmesh.services.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the control plane does not import torch
+    import torch
+
+    KvPayload = tuple[torch.Tensor, torch.Tensor]
+    """Keys and values [layers, tokens, kv_heads, head_dim], keys rotated to their positions."""
 
 
 class SequenceStatus(enum.Enum):
@@ -58,14 +65,15 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     """Physical KV block of each logical block: token p lives in block_table[p // block_size]."""
     finish_reason: str | None = None
-    cache_salt: bytes = b""
-    """Extra prefix-cache namespace (tenant salt): sequences only share KV with equal salts."""
+    namespace: bytes = b""
+    """Digest of the request's KvNamespace (model, layout, storage format, tenant): sequences
+    only share prefix-cache blocks with equal namespaces."""
     needs_prompt_logprobs: bool = False
     """Set while the request's prompt logprobs are being collected: the scheduler then computes
     the whole prompt (no prefix-cache hits, no imported KV) and the runner returns the logits
     of every prompt position. Cleared once they are delivered with the first token."""
-    external_kv: object | None = None
-    """Prompt KV fetched from the KV-cache service (opaque here; the runner writes it), covering
+    external_kv: Optional[KvPayload] = None
+    """Prompt KV fetched from the KV-cache service or blended (the runner writes it), covering
     positions external_start..external_tokens-1. Dropped once imported, or if admission finds
     it moot."""
     external_start: int = 0

@@ -16,7 +16,9 @@ from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.prompt_parts import Part, part_from_proto
 from kvmesh.services.engine.async_engine import AsyncEngine
-from kvmesh.services.engine.core import RequestOutput
+from kvmesh.kv.codec import CodecSpec
+from kvmesh.services.engine.ingest import IngestRequest
+from kvmesh.services.engine.outputs import RequestOutput
 from kvmesh.services.engine.sampler import TokenLogprobs
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
@@ -129,13 +131,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 ratio = float(request.blend.recompute_ratio)
         params = sampling_from_proto(request.sampling)
         speculation = speculation_from_proto(request.speculation)
-        salt = request.cache_salt.encode()
+        kv_codec = self._codec(request.kv_codec)
         trace.get_current_span().set_attributes({
             "gen_ai.system": "kvmesh", "gen_ai.operation.name": "generate", "gen_ai.request.model": self.info.model,
             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
             "kvmesh.request_id": request.request_id})
-        async for out in self.engine.generate(ids, params, request.request_id, cache_salt=salt,
-                                              kv_codec=request.kv_codec, speculation=speculation,
+        async for out in self.engine.generate(ids, params, request.request_id, tenant_salt=request.cache_salt,
+                                              kv_codec=kv_codec, speculation=speculation,
                                               parts=parts, recompute_ratio=ratio):
             yield self._to_proto(out, tokenizer)
 
@@ -150,11 +152,21 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             ids = await asyncio.to_thread(self.engine.core.tokenizer.encode, text, False)
         else:
             ids = list(request.token_ids.ids)
-        tokens, chunks, reused = await self.engine.ingest_document(
-            request.document_id, ids, text, metadata=dict(request.metadata),
-            cache_salt=request.cache_salt.encode(), ttl_s=request.ttl_s if request.HasField("ttl_s") else None,
-            pinned=request.pinned, kv_codec=request.kv_codec)
-        return engine_pb2.IngestDocumentResponse(tokens=tokens, chunks=chunks, reused_chunks=reused)
+        result = await self.engine.ingest_document(IngestRequest(
+            request.document_id, ids, text, metadata=dict(request.metadata), tenant_salt=request.cache_salt,
+            ttl_s=request.ttl_s if request.HasField("ttl_s") else None, pinned=request.pinned,
+            kv_codec=self._codec(request.kv_codec)))
+        return engine_pb2.IngestDocumentResponse(tokens=result.tokens, chunks=result.chunks,
+                                                 reused_chunks=result.reused_chunks)
+
+    def _codec(self, name: str) -> CodecSpec | None:
+        """A request's kv_codec ("int4", "int2+zstd"; empty: the deployment's) as a CodecSpec."""
+        if not name:
+            return None
+        codec_name, plus, extra = name.partition("+")
+        if plus and extra != "zstd":
+            raise InvalidArgument(f"unknown KV codec {name!r}; use a codec name, optionally with '+zstd'")
+        return self.engine.kv_codec(codec_name, bool(plus))
 
     def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:
         msg = engine_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids,
@@ -186,7 +198,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Probe(self, request: engine_pb2.ProbeRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.ProbeResponse:
         _reject_unknown_fields(request, "ProbeRequest")
-        r = self.engine.probe(list(request.token_ids.ids), request.cache_salt.encode())
+        r = self.engine.probe(list(request.token_ids.ids), request.cache_salt)
         load = r.load
         return engine_pb2.ProbeResponse(
             cached_tokens=r.cached_tokens, running=load.running, waiting=load.waiting,

@@ -36,7 +36,7 @@ def engine(loaded, address: str | None, **overrides) -> AsyncEngine:
     settings = dict(num_blocks=256, block_size=16, max_num_batched_tokens=64, kvcache_address=address,
                     kv_chunk_tokens=CHUNK, kv_codec="fp16", kv_timeout_s=5.0)
     core = build_core(EngineConfig(**{**settings, **overrides}), loaded)
-    return AsyncEngine(lambda: core, max_waiting=8)
+    return AsyncEngine(lambda: core)
 
 
 async def run(eng: AsyncEngine, prompt=None, *, parts=None, ratio=None, max_tokens: int = 6):
@@ -104,7 +104,7 @@ async def test_engine_blend_matches_the_dense_blend(bundled_model, kv, texts):
     eng = engine(bundled_model, kv.address)
     await run(eng, parts=prompt_parts(texts, "a", "b", "head1")[0])  # stores both documents
     await asyncio.to_thread(eng.core.kv.flush)
-    ns = eng.core.kv.namespace(b"")
+    ns = eng.preparer.namespace("").digest()
     segments = [Segment.new(texts["head2"])]
     for name, tail in (("b", texts["sep"]), ("a", texts["q"])):
         for a, b, key in document_chunks(texts[name], CHUNK, ns):
@@ -200,6 +200,6 @@ async def test_hot_lru_serves_documents_cited_again_without_a_fetch(bundled_mode
     assert tokens == first_tokens  # the LRU changes where KV comes from, not the output
     await run(small, parts=prompt_parts(texts, "a", "b", "head2")[0], ratio=0.15)
     s = small.core.kv.stats
-    assert small.core.kv._hot_bytes <= one_chunk and 0 < s.hot_chunks < fetched
+    assert small.core.kv.hot._bytes <= one_chunk and 0 < s.hot_chunks < fetched
     assert s.fetched_chunks + s.hot_chunks == 2 * fetched
     await close(small)

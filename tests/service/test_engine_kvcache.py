@@ -36,12 +36,12 @@ def engine(loaded, address: str, **overrides) -> AsyncEngine:
                     kv_chunk_tokens=CHUNK, kv_timeout_s=5.0)
     cfg = EngineConfig(**{**settings, **overrides})
     core = build_core(cfg, loaded)
-    return AsyncEngine(lambda: core, max_waiting=8)
+    return AsyncEngine(lambda: core)
 
 
-async def run(eng: AsyncEngine, prompt: list[int], max_tokens: int = 8, salt: bytes = b""):
+async def run(eng: AsyncEngine, prompt: list[int], max_tokens: int = 8, salt: str = ""):
     tokens, final = [], None
-    async for out in eng.generate(prompt, greedy(max_tokens, ignore_eos=True), cache_salt=salt):
+    async for out in eng.generate(prompt, greedy(max_tokens, ignore_eos=True), tenant_salt=salt):
         tokens += out.token_ids
         if out.finished:
             final = out
@@ -83,11 +83,11 @@ async def test_prefix_kv_comes_back_to_a_fresh_engine(bundled_model, kv_address,
 
 async def test_other_salt_never_reuses(bundled_model, kv_address, prompt):
     first = engine(bundled_model, kv_address)
-    await run(first, prompt, salt=b"tenant-a")
+    await run(first, prompt, salt="tenant-a")
     assert await flushed(first)
     await close(first)
     second = engine(bundled_model, kv_address)
-    _, final = await run(second, prompt, salt=b"tenant-b")
+    _, final = await run(second, prompt, salt="tenant-b")
     assert final.usage.cached_prompt_tokens == 0 and second.core.kv.stats.fetched_chunks == 0
     await close(second)
 
@@ -144,16 +144,18 @@ async def put(address: str, key: bytes, blob: bytes) -> None:
 async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_address, prompt):
     eng = engine(bundled_model, kv_address, kv_codec="int4")
     final = None
-    async for out in eng.generate(prompt, greedy(2), kv_codec="fp16+zstd"):
+    fp16 = eng.kv_codec("fp16", True)
+    async for out in eng.generate(prompt, greedy(2), kv_codec=fp16):
         final = out
     assert final.finished and await flushed(eng) and eng.core.kv.stats.exported_chunks == 3
-    plan = await eng.core.kv.prepare(prompt, b"")
-    _, _, header = codec.decode(await fetch(kv_address, plan.keys[0]), namespace=plan.namespace)
+    plan = await eng.core.kv.prepare(prompt, eng.preparer.namespace("", fp16))
+    _, _, header = codec.decode(await fetch(kv_address, plan.keys[0]), namespace=plan.namespace.digest())
     assert (header.codec, header.zstd) == ("fp16", True)
+    # the deployment's int4 namespace holds none of them: lossy formats never pass for each other
+    assert not any((await eng.core.kv.client.lookup((await eng.core.kv.prepare(prompt, eng.preparer.namespace(""))).keys)).present)
     from kvmesh.errors import InvalidArgument
     with pytest.raises(InvalidArgument, match="unknown KV codec 'int3'"):
-        async for _ in eng.generate(prompt, greedy(2), kv_codec="int3"):
-            pass
+        eng.kv_codec("int3", False)
     await close(eng)
 
 

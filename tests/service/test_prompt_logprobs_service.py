@@ -62,7 +62,7 @@ async def test_no_kv_service_import_but_new_chunks_are_exported(tiny, tmp_path):
     async def run(address, params):
         core = build_core(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=32, max_num_seqs=4, kv_codec="fp16",
                                        kvcache_address=address, kv_chunk_tokens=32), tiny)
-        eng = AsyncEngine(lambda: core, max_waiting=8)
+        eng = AsyncEngine(lambda: core)
         outs = [out async for out in eng.generate(prompt, params)]
         await asyncio.to_thread(core.kv.flush)
         eng.shutdown()

@@ -53,12 +53,12 @@ NOTE (the algorithm, as built here).
   rest. The recomputed tokens attend in up to 8 runs, each only to the keys up to its last
   position (the CPU attention kernel does not skip masked keys).
 
-Model access (all in `_qkv`, `_finish`, `_attend` and `BlendPrefill`): for a
-LlamaForCausalLM, ``model.model.embed_tokens``, ``model.rotary``, per decoder layer
-``input_layernorm``, ``self_attn._qkv`` (its fused, RoPE-applied projection), ``self_attn.o_proj``,
-``self_attn.scale``, ``post_attention_layernorm``, ``mlp``, then ``model.model.norm`` and
-``model.compute_logits`` -- the same ops in the same order as ``LlamaDecoderLayer.forward_dense``.
-Dense tensors only: no paged cache, any device, any model dtype.
+Model access: for a LlamaForCausalLM, ``model.model.embed_tokens``, ``model.rotary``, per decoder
+layer the two halves the model exposes around its attention (``attention_inputs``: norm, fused
+projection, RoPE; ``attention_outputs``: output projection, residual, MLP) and
+``self_attn.scale``, then ``model.model.norm`` and ``model.compute_logits``: the layer's own ops,
+with the attention in between done here. Dense tensors only: no paged cache, any device, any
+model dtype.
 """
 from __future__ import annotations
 
@@ -133,13 +133,12 @@ def _validate(model, segments: Sequence[Segment], recompute_ratio: float, select
 
 def _qkv(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     # h: [A, hidden] -> q [A, heads, hd], k/v [A, kv_heads, hd] (q, k rotated to their positions)
-    return layer.self_attn._qkv(layer.input_layernorm(h), cos, sin)
+    return layer.attention_inputs(h, cos, sin)
 
 
 def _finish(layer, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     # h: [A, hidden], o: attention output [A, heads, hd] -> the layer's output [A, hidden]
-    h = h + layer.self_attn.o_proj(o.reshape(h.shape[0], -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return layer.attention_outputs(h, o.reshape(h.shape[0], -1))
 
 
 def _attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_QueryGroup] | None) -> torch.Tensor:

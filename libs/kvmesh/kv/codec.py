@@ -84,6 +84,7 @@ import torch
 import zstandard
 
 from kvmesh.kv import kivi
+from kvmesh.kv.namespace import EXACT
 
 CODECS = ("fp16", "bf16", "int8", "int4", "int2")
 
@@ -154,6 +155,15 @@ class CodecSpec:
     def head_tokens(self) -> int:
         """`head` with the codec's default filled in."""
         return _DEFAULT_HEAD.get(self.name, 0) if self.head is None else self.head
+
+    def storage(self, dtype: torch.dtype) -> str:
+        """The KvNamespace storage name of KV stored this way from an engine of `dtype`:
+        kvmesh.kv.namespace.EXACT when decoding gives back exactly what was encoded, else a name
+        that fixes every parameter changing the decoded values (zstd never does)."""
+        if self.name in _RAW16:
+            return EXACT if _RAW16[self.name] == dtype else self.name
+        return (f"{self.name}-g{self.group_size}-r{self.residual}-h{self.head_tokens()}"
+                f"-o{self.outlier_channels()}")
 
     def outlier_channels(self) -> int:
         """`key_outliers` with the codec's default filled in (0 for codecs that do not use it)."""

@@ -10,47 +10,21 @@ A chunk is ``chunk_tokens`` consecutive tokens of one sequence (all layers of th
 H is blake2b (32 bytes) with a personalization per key kind, over little-endian u32 token ids: the
 same on every process and machine (never Python's ``hash()``, which is salted per process).
 
-The namespace (16 bytes) folds in the model identity (a digest of the weights, not a name), the
-KV layout (layers, KV heads, head dim, dtype, how keys are rotated) and a tenant salt, so a changed
-model never reads stale KV and tenants never share entries unless configured to.
+The namespace is the 16-byte digest of a kvmesh.kv.namespace.KvNamespace (model identity, KV
+layout, storage format, tenant salt), so a changed model never reads stale KV, exact and lossy KV
+never mix, and tenants never share entries unless configured to.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from kvmesh.kv.namespace import NAMESPACE_BYTES
+
 KEY_BYTES = 32
-NAMESPACE_BYTES = 16
 DEFAULT_CHUNK_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """What a KV tensor of one model looks like; part of every namespace."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # the engine's KV dtype, e.g. "float32", "bfloat16"
-    rope: str = "pre-rope-hf"  # how stored keys relate to RoPE (kvmesh.kv.rope: un-rotated, HF convention)
-
-    def describe(self) -> str:
-        return f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-{self.dtype}-{self.rope}"
-
-
-def make_namespace(model_identity: str, layout: KvLayout | str, tenant_salt: str = "") -> bytes:
-    """16-byte namespace from the model identity (weights digest), KV layout (or its
-    ``describe()`` string, as an engine's GetModelInfo reports it) and tenant salt."""
-    h = hashlib.blake2b(digest_size=NAMESPACE_BYTES, person=b"kvmesh-ns")
-    described = layout if isinstance(layout, str) else layout.describe()
-    for part in (model_identity, described, tenant_salt):
-        data = part.encode()
-        h.update(len(data).to_bytes(4, "little"))  # length-prefixed: no ambiguity between parts
-        h.update(data)
-    return h.digest()
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

@@ -100,7 +100,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention: paged (engine) or dense causal (perplexity/tests)."""
+    """GQA self-attention's projections and dense causal attention; the paged attention over the
+    engine's cache is LlamaDecoderLayer.forward's."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -111,28 +112,21 @@ class LlamaAttention(nn.Module):
                                   bias=False)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        # x: [..., T, hidden] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd]
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [..., T, hidden] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd] (q, k rotated)
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(*x.shape[:-1], h + 2 * kvh, self.head_dim)
         qk = apply_rope(qkv[..., : h + kvh, :], cos, sin)  # one rotation for q and k heads
         return qk[..., :h, :], qk[..., h:, :], qkv[..., h + kvh:, :]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
-        # x: [T, hidden] (flattened batch) -> [T, hidden]
-        q, k, v = self._qkv(x, cos, sin)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, heads, hd]
-        return self.o_proj(o.reshape(x.shape[0], -1))
-
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, hidden] -> [B, T, hidden]
-        b, t, _ = x.shape
-        q, k, v = (y.transpose(1, 2) for y in self._qkv(x, cos, sin))  # [B, heads|kvh, T, hd]
+    def attend_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [B, T, heads, hd], k/v [B, T, kvh, hd] -> causal attention output [B, T, heads * hd]
+        b, t = q.shape[:2]
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, heads|kvh, T, hd]
         g = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # HF repeat_kv order
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return o.transpose(1, 2).reshape(b, t, -1)
 
 
 class LlamaMLP(nn.Module):
@@ -158,13 +152,27 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+    # The layer in two halves around its attention, so that code attending differently (the
+    # paged cache below, kvmesh.kv.blend's selective recompute) runs this layer's exact ops.
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [..., T, hidden] -> (q [..., T, heads, hd], k, v [..., T, kv_heads, hd]), q and k rotated."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def attention_outputs(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x: the layer's input [..., T, hidden], o: its attention output [..., T, heads * hd]
+        -> the layer's output [..., T, hidden]."""
+        x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
+        # x: [T, hidden] (flattened batch) -> [T, hidden]
+        q, k, v = self.attention_inputs(x, cos, sin)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.self_attn.scale)  # [T, heads, hd]
+        return self.attention_outputs(x, o.reshape(x.shape[0], -1))
+
     def forward_dense(self, x, cos, sin) -> torch.Tensor:
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x: [B, T, hidden] -> [B, T, hidden]
+        return self.attention_outputs(x, self.self_attn.attend_dense(*self.attention_inputs(x, cos, sin)))
 
 
 class LlamaModel(nn.Module):

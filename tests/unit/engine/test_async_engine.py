@@ -1,5 +1,6 @@
 """AsyncEngine start-up: the core is built on the step-loop thread, and a failed build surfaces."""
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -8,6 +9,7 @@ from kvmesh.services.engine.async_engine import AsyncEngine
 
 class _IdleCore:
     has_work = False
+    sched_config = SimpleNamespace(max_waiting=1, max_num_seqs=1)
 
     def request_ids(self):
         return []
@@ -23,7 +25,7 @@ def test_core_is_built_on_the_step_loop_thread_and_build_errors_are_raised():
         seen["thread"] = threading.current_thread().name
         return _IdleCore()
 
-    engine = AsyncEngine(build, max_waiting=1)
+    engine = AsyncEngine(build)
     try:
         assert seen["thread"] == "engine-step-loop" and isinstance(engine.core, _IdleCore)
     finally:
@@ -33,4 +35,4 @@ def test_core_is_built_on_the_step_loop_thread_and_build_errors_are_raised():
         raise FileNotFoundError("no such model")
 
     with pytest.raises(FileNotFoundError, match="no such model"):
-        AsyncEngine(broken, max_waiting=1)
+        AsyncEngine(broken)

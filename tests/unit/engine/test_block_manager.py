@@ -11,8 +11,8 @@ from kvmesh.services.engine.sequence import Sequence
 BS = 4
 
 
-def make_seq(tokens, request_id="r", salt=b""):
-    return Sequence(request_id=request_id, prompt_token_ids=list(tokens), cache_salt=salt)
+def make_seq(tokens, request_id="r", namespace=b""):
+    return Sequence(request_id=request_id, prompt_token_ids=list(tokens), namespace=namespace)
 
 
 def compute_all(bm, seq):
@@ -159,15 +159,19 @@ def test_hash_collision_is_a_miss_not_wrong_kv(monkeypatch):
     assert bm.free_block_ids() == [1, 2, 3, 4, 5, 6, 7, 0]  # unregistered 2, then 1, to the front
 
 
-def test_namespace_and_salt_separate_caches():
-    bm = BlockManager(num_blocks=8, block_size=BS, namespace=b"model-A")
-    compute_all(bm, make_seq(range(8), "a", salt=b"tenant-1"))
-    assert bm.match_prefix(make_seq(range(9), "b", salt=b"tenant-1")) == ([0, 1], 8)
-    assert bm.match_prefix(make_seq(range(9), "c", salt=b"tenant-2")) == ([], 0)
-    assert bm.match_prefix(make_seq(range(9), "d")) == ([], 0)
-    other = BlockManager(num_blocks=8, block_size=BS, namespace=b"model-B")
-    compute_all(other, make_seq(range(8), "a", salt=b"tenant-1"))
-    assert other.block_hash(0) != bm.block_hash(0)
+def test_namespaces_separate_caches():
+    """Sequences share blocks only within one KvNamespace digest (model, layout, storage, tenant)."""
+    from kvmesh.kv.namespace import KvLayout, KvNamespace
+
+    base = KvNamespace("model-A", KvLayout(2, 2, 8, "float32"))
+    t1, t2 = base.for_tenant("tenant-1").digest(), base.for_tenant("tenant-2").digest()
+    lossy = base.for_tenant("tenant-1").with_storage("int4").digest()
+    other_model = KvNamespace("model-B", base.layout, tenant_salt="tenant-1").digest()
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    compute_all(bm, make_seq(range(8), "a", namespace=t1))
+    assert bm.match_prefix(make_seq(range(9), "b", namespace=t1)) == ([0, 1], 8)
+    for i, ns in enumerate((t2, lossy, other_model, b"")):
+        assert bm.match_prefix(make_seq(range(9), f"c{i}", namespace=ns)) == ([], 0)
 
 
 def test_hash_is_stable_blake2b_over_little_endian_uint32():
@@ -178,8 +182,8 @@ def test_hash_is_stable_blake2b_over_little_endian_uint32():
     assert hash_block(key) == expected
     assert struct.pack("<I", 0x01020304) == b"\x04\x03\x02\x01"
     # The chain: block 1's hash depends on block 0's.
-    bm = BlockManager(num_blocks=4, block_size=BS, namespace=b"ns")
-    compute_all(bm, make_seq([1, 2, 3, 4, 5, 6, 7, 8]))
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    compute_all(bm, make_seq([1, 2, 3, 4, 5, 6, 7, 8], namespace=b"ns"))
     h0 = hash_block(BlockKey(ROOT_HASH, (1, 2, 3, 4), b"ns"))
     assert bm.block_hash(0) == h0
     assert bm.block_hash(1) == hash_block(BlockKey(h0, (5, 6, 7, 8), b"ns"))

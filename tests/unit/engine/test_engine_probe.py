@@ -26,17 +26,17 @@ def _prompt(n, offset=0):
 def test_probe_counts_whole_cached_blocks_and_changes_nothing(tiny):
     core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=64, max_num_seqs=4)
     prompt = _prompt(100)
-    assert core.probe(prompt, b"").cached_tokens == 0
+    assert core.probe(prompt).cached_tokens == 0
     run_all(core, {"a": prompt}, greedy(3, ignore_eos=True))
     bm = core.block_manager
     before = (bm.free_block_ids(), bm.num_queried_tokens, bm.num_hit_tokens, bm.num_cached_blocks)
 
-    assert core.probe(prompt, b"").cached_tokens == 96           # 6 full blocks of 100 tokens
-    assert core.probe(prompt[:64], b"").cached_tokens == 48      # never the last token's block
-    assert core.probe(prompt + [1, 2, 3], b"").cached_tokens == 96
-    assert core.probe(prompt, b"other tenant").cached_tokens == 0
-    assert core.probe([255] + prompt[1:], b"").cached_tokens == 0
-    assert core.probe([], b"").cached_tokens == 0
+    assert core.probe(prompt).cached_tokens == 96           # 6 full blocks of 100 tokens
+    assert core.probe(prompt[:64]).cached_tokens == 48      # never the last token's block
+    assert core.probe(prompt + [1, 2, 3]).cached_tokens == 96
+    assert core.probe(prompt, core.namespace.for_tenant("other tenant")).cached_tokens == 0
+    assert core.probe([255] + prompt[1:]).cached_tokens == 0
+    assert core.probe([]).cached_tokens == 0
     # read-only: eviction order, ref counts and hit statistics are as they were
     assert (bm.free_block_ids(), bm.num_queried_tokens, bm.num_hit_tokens, bm.num_cached_blocks) == before
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
@@ -44,7 +44,7 @@ def test_probe_counts_whole_cached_blocks_and_changes_nothing(tiny):
 
 def test_probe_load_fields(tiny):
     core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=16, max_num_seqs=1)
-    idle = core.probe([1, 2, 3], b"").load
+    idle = core.probe([1, 2, 3]).load
     assert idle == EngineLoad(running=0, waiting=0, pending_prefill_tokens=0, free_blocks=64, num_blocks=64)
     now = time.monotonic()
     core.add_request(EngineRequest("a", _prompt(40), greedy(50, ignore_eos=True), now))
@@ -70,7 +70,7 @@ def test_async_probe_does_not_wait_for_the_step_in_flight(tiny):
         return real_step()
 
     core.step = gated_step
-    engine = AsyncEngine(lambda: core, max_waiting=8)
+    engine = AsyncEngine(lambda: core)
 
     async def scenario():
         first = engine.generate(_prompt(40, 1), greedy(300, ignore_eos=True), "first")
@@ -81,11 +81,11 @@ def test_async_probe_does_not_wait_for_the_step_in_flight(tiny):
         while engine.num_requests < 2:
             await asyncio.sleep(0)                # "second" posted: sits in the inbox
         t0 = time.perf_counter()
-        during = engine.probe(warm, b"")
+        during = engine.probe(warm)
         waited = time.perf_counter() - t0
         release.set()
         await pulls[0]                            # "first" decodes now; "second" waits (1 seq max)
-        after = engine.probe(warm, b"")
+        after = engine.probe(warm)
         pulls[1].cancel()                         # ends "second" (its finally posts the abort)
         await asyncio.gather(pulls[1], return_exceptions=True)
         await first.aclose()
@@ -101,18 +101,18 @@ def test_async_probe_does_not_wait_for_the_step_in_flight(tiny):
     assert after.load.free_blocks < after.load.num_blocks
 
     with pytest.raises(Unavailable):
-        engine.probe([1, 2], b"")                 # stopped
+        engine.probe([1, 2])                 # stopped
 
 
 def test_async_probe_refused_while_draining(tiny):
     core = make_core(tiny, num_blocks=16, block_size=BS)
-    engine = AsyncEngine(lambda: core, max_waiting=8)
+    engine = AsyncEngine(lambda: core)
 
     async def scenario():
-        ok = engine.probe([1, 2, 3], b"")
+        ok = engine.probe([1, 2, 3])
         await engine.drain(0.1)
         with pytest.raises(Unavailable):
-            engine.probe([1, 2, 3], b"")
+            engine.probe([1, 2, 3])
         return ok
 
     try:

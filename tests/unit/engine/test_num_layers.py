@@ -4,7 +4,6 @@ import torch
 
 from engine_utils import greedy, load_tiny, make_core, make_tiny_checkpoint, run_all
 from kvmesh.config import ConfigError, load_config
-from kvmesh.kv.keys import make_namespace
 from kvmesh.model.loader import truncate_layers
 from kvmesh.services.engine.build import build_core, kv_layout, model_info
 from kvmesh.services.engine.config import EngineConfig
@@ -67,17 +66,16 @@ def test_all_layers_is_the_full_model_and_the_full_model_is_untouched(tiny):
 
 def test_kv_namespaces_and_model_info_follow_the_layer_count(tiny):
     full, cut = make_core(tiny), make_core(tiny, num_layers=2)
-    assert full.block_manager.namespace != cut.block_manager.namespace
+    assert full.namespace.digest() != cut.namespace.digest()
     assert cut.loaded.identity != tiny.identity and truncate_layers(tiny, 3).identity == tiny.identity
     layouts = kv_layout(full.loaded), kv_layout(cut.loaded)
     assert (layouts[0].num_layers, layouts[1].num_layers) == (3, 2)
-    assert make_namespace(full.loaded.identity, layouts[0], "t") != make_namespace(cut.loaded.identity, layouts[1], "t")
     info = model_info(cut, _engine_cfg(num_layers=2))
     assert info.num_layers == 2 and info.weights_digest == tiny.weights_digest
     assert model_info(full, _engine_cfg()).num_layers == 3
     # the prefix cache of one never serves the other (same prompt, same salt)
     run_all(full, {"a": PROMPT}, greedy(2, ignore_eos=True))
-    assert full.cached_prefix_tokens(PROMPT, b"") == 32 and cut.cached_prefix_tokens(PROMPT, b"") == 0
+    assert full.cached_prefix_tokens(PROMPT) == 32 and cut.cached_prefix_tokens(PROMPT) == 0
 
 
 def test_too_many_layers_is_a_config_error_with_the_fix(folder, tiny):

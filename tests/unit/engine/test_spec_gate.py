@@ -55,7 +55,7 @@ def test_the_engine_leaves_adaptive_requests_out_of_propose_when_the_gate_says_s
             decisions.append(len(decisions) % 2 == 0)   # every other step: adaptive may draft
             return decisions[-1]
 
-        core.gate.allow = allow
+        core.speculator.gate.allow = allow
         core.add_request(EngineRequest("a", [5, 6, 7, 8], greedy(12), time.monotonic(), speculation=SpecMode.ADAPTIVE))
         core.add_request(EngineRequest("n", [9, 8, 7, 6], greedy(12), time.monotonic(), speculation=SpecMode.NGRAM))
         while core.has_work:

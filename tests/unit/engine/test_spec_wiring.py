@@ -36,7 +36,7 @@ def test_core_wiring(tiny):
     fake = FakeDraftService()
     try:
         core = make_core(tiny, draft_address=fake.address, speculation="model", spec_max_draft_tokens=3)
-        assert core.spec_config.default_mode is SpecMode.MODEL and core.spec_config.max_draft_tokens == 3
+        assert core.speculator.config.default_mode is SpecMode.MODEL and core.speculator.config.max_draft_tokens == 3
         assert core.drafts.target_model == tiny.weights_digest
         assert core.drafts.vocab_size == tiny.config.vocab_size
         core.drafts.close()
@@ -71,15 +71,16 @@ def test_metrics(tiny):
     assert totals.draft_tokens > 0 and len(seen) == core.drafts.stats.calls and all(s > 0 for s in seen)
 
 
-def test_propose_reports_the_engines_plain_step_time(tiny):
-    # The draft service prices model drafts against the engine's step time: every call (the
-    # first comes after the prefill step) carries an average of the measured steps.
+def test_the_engine_asks_for_its_own_draft_length(tiny):
+    # The engine owns the draft length: every Propose asks for at most --spec-max-draft-tokens per
+    # sequence (and never past max_tokens), and carries no step time for the service to price with.
     fake = FakeDraftService(propose=lambda rid, history, k: [])  # never drafts: plain steps only
     try:
-        core = make_core(tiny, draft_address=fake.address, speculation="ngram")
+        core = make_core(tiny, draft_address=fake.address, speculation="ngram", spec_max_draft_tokens=3)
         run_all(core, {"a": [5, 6, 7, 8]}, greedy(max_tokens=6))
         core.drafts.close()
     finally:
         fake.stop()
-    carried = [c.target_step_s for c in fake.calls if c.HasField("target_step_s")]
-    assert fake.calls and len(carried) == len(fake.calls) and all(0 < s < 5 for s in carried)
+    asked = [s.max_draft_tokens for c in fake.calls for s in c.sequences]
+    assert asked and all(1 <= k <= 3 for k in asked)
+    assert "target_step_s" not in {f.name for f in fake.calls[0].DESCRIPTOR.fields}

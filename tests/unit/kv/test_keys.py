@@ -5,10 +5,12 @@ import sys
 
 import pytest
 
-from kvmesh.kv.keys import KEY_BYTES, KvLayout, content_key, make_namespace, prefix_keys
+from kvmesh.kv.keys import KEY_BYTES, content_key, prefix_keys
+from kvmesh.kv.namespace import KvLayout, KvNamespace
 
 LAYOUT = KvLayout(30, 3, 64, "float32")
-NS = make_namespace("weights-sha", LAYOUT)
+BASE = KvNamespace("weights-sha", LAYOUT)
+NS = BASE.digest()
 
 
 def test_one_key_per_full_chunk_chained_through_the_prefix():
@@ -23,11 +25,13 @@ def test_one_key_per_full_chunk_chained_through_the_prefix():
 
 
 @pytest.mark.parametrize("other", [
-    make_namespace("other-weights", LAYOUT),
-    make_namespace("weights-sha", KvLayout(30, 3, 64, "bfloat16")),
-    make_namespace("weights-sha", LAYOUT, tenant_salt="tenant-b"),
+    KvNamespace("other-weights", LAYOUT).digest(),
+    KvNamespace("weights-sha", KvLayout(30, 3, 64, "bfloat16")).digest(),
+    KvNamespace("weights-sha", KvLayout(30, 3, 64, "float32", rope="pre-rope-hf theta=500000")).digest(),
+    BASE.for_tenant("tenant-b").digest(),
+    BASE.with_storage("int4-g64-r0-h0-o0").digest(),
 ])
-def test_namespaces_separate_models_layouts_and_tenants(other):
+def test_namespaces_separate_models_layouts_storage_and_tenants(other):
     tokens = list(range(64))
     assert other != NS
     assert set(prefix_keys(tokens, 32, other)).isdisjoint(prefix_keys(tokens, 32, NS))
@@ -42,7 +46,8 @@ def test_content_key_is_position_free_and_differs_from_prefix_key():
 
 
 def test_keys_are_stable_across_processes():
-    code = ("from kvmesh.kv.keys import *; ns = make_namespace('weights-sha', KvLayout(30, 3, 64, 'float32'));"
+    code = ("from kvmesh.kv.keys import *; from kvmesh.kv.namespace import *;"
+            "ns = KvNamespace('weights-sha', KvLayout(30, 3, 64, 'float32')).digest();"
             "print(prefix_keys(list(range(100)), 32, ns)[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
@@ -71,12 +76,3 @@ def test_document_chunks_align_to_the_document_not_the_prompt():
     assert document_chunks([], 32, ns) == []
     with pytest.raises(ValueError):
         document_chunks(doc, 0, ns)
-
-
-def test_namespace_from_a_layout_description_equals_the_layout():
-    """Clients that only know GetModelInfo's kv_layout string get the engine's namespace."""
-    from kvmesh.kv.keys import KvLayout, make_namespace
-
-    layout = KvLayout(30, 3, 64, "float32")
-    assert make_namespace("m", layout.describe(), "tenant:a") == make_namespace("m", layout, "tenant:a")
-    assert make_namespace("m", layout.describe(), "tenant:b") != make_namespace("m", layout, "tenant:a")

@@ -1,0 +1,192 @@
+"""The engine's RPC link to the KV-cache service: proto <-> domain only.
+
+Everything the engine asks the KV service goes through here, in domain terms (keys, blobs,
+KvNamespace values, token ids); the KV connector and the document planner never see a proto
+message or a grpc error. A failed call raises kvmesh.errors.Unavailable (NotFound for a missing
+document, InvalidArgument for a refused one): callers decide whether that means recompute.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from kvmesh.errors import InvalidArgument, NotFound, Unavailable
+from kvmesh.kv import transfer
+from kvmesh.kv.namespace import KvNamespace
+from kvmesh.kvcache.v1 import kvcache_pb2 as pb
+from kvmesh.kvcache.v1 import kvcache_pb2_grpc
+from kvmesh.rpc.client import make_channel, make_sync_channel
+
+log = logging.getLogger(__name__)
+
+EXPORT_TIMEOUT_S = 60.0
+"""Deadline of one export Put: exports are off the request path, so they may wait out a busy service."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Which of the asked keys the service holds."""
+
+    present: list[bool]
+    """Per key, stored in any tier."""
+    prefix_chunks: int
+    """Leading keys present without a gap."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A catalogued document as the engine uses it: the token ids it was ingested with."""
+
+    document_id: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class NewDocument:
+    """A catalog entry to store (its chunks are stored first, by content key)."""
+
+    namespace: KvNamespace
+    document_id: str
+    text: str
+    token_ids: list[int]
+    chunk_keys: list[bytes]
+    metadata: dict[str, str]
+    ttl_s: float | None = None
+    pinned: bool = False
+
+
+def _namespace_bytes(namespace: KvNamespace) -> bytes:
+    return namespace.digest()
+
+
+def describe(err: BaseException) -> str:
+    """A one-line reason for a failed call (status and details, or the exception's type)."""
+    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+        return f"{err.code().name}: {err.details()}"
+    return str(err) or type(err).__name__
+
+
+class KvcacheClient:
+    """Asyncio client of the KV service for one engine; the channel is made lazily on the loop
+    that serves (every call's deadline is `timeout_s`, capped by the serving call's)."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stub(self) -> kvcache_pb2_grpc.KvcacheServiceStub:
+        if self._channel is None:
+            self._channel = make_channel(self.address, default_timeout_s=self.timeout_s)
+        return kvcache_pb2_grpc.KvcacheServiceStub(self._channel)
+
+    def _unavailable(self, err: BaseException) -> Unavailable:
+        return Unavailable(f"KV-cache service {self.address}: {describe(err)}")
+
+    async def ping(self) -> None:
+        try:
+            await self._stub().Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            raise self._unavailable(err) from err
+
+    async def lookup(self, keys: list[bytes], chunk_tokens: int = 0) -> Lookup:
+        try:
+            found = await self._stub().Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk_tokens),
+                                              timeout=self.timeout_s)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            raise self._unavailable(err) from err
+        return Lookup([t != pb.TIER_NONE for t in found.tiers], found.prefix_chunks)
+
+    async def get(self, keys: list[bytes]) -> AsyncIterator[bytes | None]:
+        """Each key's blob in order, None where the service lacks it or it arrived damaged
+        (length or checksum). Stops early when the consumer does (the stream is cancelled)."""
+        call = self._stub().Get(pb.GetRequest(keys=keys), timeout=self.timeout_s)
+        header, parts, got = None, [], 0
+        try:
+            async for msg in call:
+                if msg.HasField("header"):
+                    if not msg.header.found:
+                        header = None
+                        yield None
+                    else:
+                        header, parts, got = msg.header, [], 0
+                    continue
+                parts.append(msg.data)
+                got += len(msg.data)
+                if header is not None and got >= header.total_bytes:
+                    blob = b"".join(parts)
+                    ok = len(blob) == header.total_bytes and transfer.checksum(blob) == header.checksum
+                    yield blob if ok else None
+                    header = None
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            raise self._unavailable(err) from err
+        finally:
+            call.cancel()  # a no-op when the stream ended
+
+    async def delete(self, keys: list[bytes]) -> None:
+        try:
+            await self._stub().Delete(pb.DeleteRequest(keys=keys), timeout=self.timeout_s)
+        except (grpc.RpcError, asyncio.TimeoutError) as err:
+            raise self._unavailable(err) from err
+
+    async def get_document(self, namespace: KvNamespace, document_id: str) -> CatalogEntry:
+        try:
+            resp = await self._stub().GetDocument(
+                pb.GetDocumentRequest(namespace=_namespace_bytes(namespace), document_id=document_id),
+                timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"document {document_id!r} is not in the KV service's catalog for this tenant; "
+                               "ingest it first (kvmesh docs add, or Engine.IngestDocument)") from err
+            raise self._unavailable(err) from err
+        return CatalogEntry(resp.document.document_id, list(resp.document.token_ids))
+
+    async def search_documents(self, namespace: KvNamespace, query: str, k: int) -> list[str]:
+        try:
+            resp = await self._stub().Search(pb.SearchRequest(text=query, namespace=_namespace_bytes(namespace),
+                                                              kind=pb.INDEX_KIND_DOCUMENT, k=k),
+                                             timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise self._unavailable(err) from err
+        return [h.document_id for h in resp.hits]
+
+    async def put_document(self, doc: NewDocument) -> None:
+        request = pb.PutDocumentRequest(
+            namespace=_namespace_bytes(doc.namespace), document_id=doc.document_id, metadata=doc.metadata,
+            text=doc.text, token_ids=doc.token_ids, chunk_keys=doc.chunk_keys, ttl_s=doc.ttl_s,
+            pinned=doc.pinned)
+        try:
+            await self._stub().PutDocument(request, timeout=max(self.timeout_s, EXPORT_TIMEOUT_S))
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(err.details()) from err
+            raise self._unavailable(err) from err
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class KvcacheWriter:
+    """Blocking Put client for the export thread: each Put a CLIENT span in the calling thread's
+    current context."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = make_sync_channel(address)
+        self._stub = kvcache_pb2_grpc.KvcacheServiceStub(self._channel)
+
+    def put(self, key: bytes, blob: bytes, namespace: KvNamespace) -> None:
+        """Stores one blob written for `namespace`; Unavailable when the service refuses or is down."""
+        del namespace  # the blob's header names it; the service checks the two agree
+        try:
+            self._stub.Put(transfer.put_requests(key, blob), timeout=EXPORT_TIMEOUT_S)
+        except grpc.RpcError as err:
+            raise Unavailable(f"KV-cache service {self.address}: {describe(err)}") from err
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,122 @@
+"""Request preparation (asyncio side): from what an edge asked for to the EngineRequest the step
+loop runs -- validated once, its KV namespace derived, its documents resolved and planned, its
+cached prefix fetched. Nothing here fails a request for an optional part: a KV service that does
+not answer means computing (see kv_connector's NOTE).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.kv import codec
+from kvmesh.kv.blend import BlendPrefill
+from kvmesh.kv.namespace import KvNamespace
+from kvmesh.prompt_parts import Part
+from kvmesh.services.engine.core import EngineCore
+from kvmesh.services.engine.documents import DocumentExports, check_parts, plan_documents, resolve
+from kvmesh.services.engine.kv_connector import KvPlan
+from kvmesh.services.engine.outputs import EngineRequest
+from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.speculation import SpecMode
+from kvmesh.telemetry import tracer
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A generation request as an edge (the gRPC servicer, a test, ingest) hands it over."""
+
+    prompt_token_ids: Optional[list[int]]
+    """The prompt, or None when it comes as `parts`."""
+    params: SamplingParams
+    request_id: str = ""
+    tenant_salt: str = ""
+    """kvmesh.kv.namespace.tenant_salt of the caller's tenant (the gateway sets it)."""
+    kv_codec: Optional[codec.CodecSpec] = None
+    """Codec of the chunks this request stores (and the storage of those it reuses); None =
+    the deployment's."""
+    speculation: Optional[SpecMode] = None
+    parts: Optional[list[Part]] = None
+    """Prompt parts marking documents (services/engine/documents.py), instead of token ids."""
+    recompute_ratio: Optional[float] = None
+    """Blending: share of reused document tokens recomputed; None = the engine's."""
+    doc_exports: Optional[DocumentExports] = None
+    """Ingest: the document alone, its chunks stored by content key only."""
+
+
+class RequestPreparer:
+    """Turns GenerateInputs into EngineRequests for one engine core."""
+
+    def __init__(self, core: EngineCore, start_probe: Callable[[list[int]], BlendPrefill]) -> None:
+        self.core = core
+        self.start_probe = start_probe
+        """Starts a blend's first stage on the step loop while the documents' KV is fetched."""
+
+    def namespace(self, tenant_salt: str, spec: Optional[codec.CodecSpec] = None) -> KvNamespace:
+        """The KV namespace of a request of this tenant storing with `spec` (None: the
+        deployment's codec; exact without a KV service)."""
+        ns = self.core.namespace.for_tenant(tenant_salt)
+        kv = self.core.kv
+        if kv is None:
+            return ns
+        return ns.with_storage((spec or kv.config.codec).storage(self.core.loaded.dtype))
+
+    def check(self, inp: GenerateInput) -> None:
+        """InvalidArgument for what can be checked before anything is fetched."""
+        if inp.recompute_ratio is not None and not 0.0 <= inp.recompute_ratio <= 1.0:
+            raise InvalidArgument(f"blend.recompute_ratio must be in [0, 1] (0 = pure reuse, 1 = full prefill), "
+                                  f"got {inp.recompute_ratio}")
+        if inp.parts is not None:
+            check_parts(inp.parts)
+        elif inp.prompt_token_ids is not None:
+            self.core.validate(inp.prompt_token_ids, inp.params)
+        else:
+            raise InvalidArgument("a request needs a prompt: token ids or parts")
+
+    async def prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> EngineRequest:
+        """Resolves, plans and fetches (see the module docstring); `check` must have passed."""
+        kv = self.core.kv
+        namespace = self.namespace(inp.tenant_salt, inp.kv_codec)
+        fetch_span = tracer("kvmesh.engine").start_span("engine.kv_fetch") if kv is not None else None
+        prompt, plan, blend, doc_exports, document_ids = inp.prompt_token_ids, None, None, inp.doc_exports, ()
+        fetch = inp.params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
+        try:
+            if inp.parts is not None:
+                resolved = await resolve(inp.parts, kv, namespace)
+                prompt, document_ids = resolved.token_ids, tuple(resolved.document_ids)
+                self.core.validate(prompt, inp.params)
+                if kv is not None and resolved.documents:
+                    ratio = self.core.blender.config.recompute_ratio if inp.recompute_ratio is None \
+                        else inp.recompute_ratio
+                    with trace.use_span(fetch_span, end_on_exit=False):
+                        blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0,
+                                                                  self.start_probe, inp.kv_codec)
+            if kv is not None and blend is None and inp.doc_exports is None:  # blended KV is not a prefix's
+                local = self.core.cached_prefix_tokens(prompt, namespace) if fetch else 0
+                with trace.use_span(fetch_span, end_on_exit=False):
+                    plan = await kv.prepare(list(prompt), namespace, inp.kv_codec, local, fetch=fetch)
+        finally:
+            if fetch_span is not None:
+                fetch_span.set_attributes({"kvmesh.kv.fetched_tokens": _fetched(plan),
+                                           "kvmesh.kv.document_tokens": blend.cached_tokens if blend else 0})
+                fetch_span.end()
+        return EngineRequest(request_id, list(prompt), inp.params, arrival, namespace=namespace, kv_plan=plan,
+                             speculation=inp.speculation, blend=blend, doc_exports=doc_exports,
+                             document_ids=document_ids, trace_context=otel_context.get_current())
+
+    def codec(self, name: str, zstd: bool) -> codec.CodecSpec:
+        """The deployment's codec settings with another codec name and zstd choice (a request's
+        override); InvalidArgument for an unknown name."""
+        base = self.core.kv.config.codec if self.core.kv is not None else codec.CodecSpec()
+        if name not in codec.CODECS:
+            raise InvalidArgument(f"unknown KV codec {name!r}; use one of {', '.join(codec.CODECS)}")
+        return dataclasses.replace(base, name=name, zstd=zstd)
+
+
+def _fetched(plan: Optional[KvPlan]) -> int:
+    return plan.tokens - plan.start if plan is not None and plan.kv is not None else 0
+

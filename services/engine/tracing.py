@@ -1,0 +1,62 @@
+"""The engine's request timeline as spans, written when the request finishes (the step loop
+records instants; spans are made here, on the serving call's side, so the step loop never
+touches the tracer)."""
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+
+from kvmesh.services.engine.outputs import RequestOutput
+from kvmesh.telemetry import tracer
+
+
+def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
+    """The request's way through the engine as spans under the current (server) span, from its
+    timeline: engine.queue (arrival to admission), engine.blend, engine.prefill (admission to the
+    first token), engine.decode (first token to the end, with one `spec_verify` event per
+    verification step); usage as GenAI semantic-convention attributes on the server span."""
+    server = trace.get_current_span()
+    usage, t = out.usage, out.timeline
+    attrs = {"gen_ai.usage.input_tokens": usage.prompt_tokens if usage else prompt_tokens,
+             "gen_ai.usage.output_tokens": usage.completion_tokens if usage else 0,
+             "gen_ai.response.finish_reasons": [str(out.finish_reason or "")],
+             "kvmesh.engine.cached_tokens": usage.cached_prompt_tokens if usage else 0}
+    if out.spec is not None and out.spec.steps:
+        attrs.update({"kvmesh.spec.steps": out.spec.steps, "kvmesh.spec.draft_tokens": out.spec.draft_tokens,
+                      "kvmesh.spec.accepted_tokens": out.spec.accepted_tokens})
+    if out.documents is not None:
+        attrs.update({"kvmesh.blend.blended_tokens": out.documents.blended_tokens,
+                      "kvmesh.blend.recomputed_tokens": out.documents.recomputed_tokens,
+                      "kvmesh.documents": list(out.documents.document_ids)})
+    server.set_attributes(attrs)
+    if t is None or not server.get_span_context().is_valid:
+        return
+    offset = time.time_ns() - time.monotonic_ns()
+
+    def ns(instant: float) -> int:
+        return int(instant * 1e9) + offset
+
+    def span(name: str, start: float | None, end: float | None, **attributes) -> trace.Span | None:
+        if start is None or end is None:
+            return None
+        return tracer("kvmesh.engine").start_span(name, start_time=ns(start), attributes=attributes)
+
+    queue = span("engine.queue", t.arrival, t.admitted or t.finished)
+    if queue is not None:
+        queue.end(end_time=ns(t.admitted or t.finished))
+    if t.blend is not None:
+        blend = span("engine.blend", *t.blend, **{k: v for k, v in attrs.items() if k.startswith("kvmesh.blend")})
+        blend.end(end_time=ns(t.blend[1]))
+    prefill = span("engine.prefill", t.admitted, t.first_token or t.finished,
+                   **{"gen_ai.usage.input_tokens": attrs["gen_ai.usage.input_tokens"],
+                      "kvmesh.engine.cached_tokens": attrs["kvmesh.engine.cached_tokens"]})
+    if prefill is not None:
+        prefill.end(end_time=ns(t.first_token or t.finished))
+    decode = span("engine.decode", t.first_token, t.finished,
+                  **{"gen_ai.usage.output_tokens": attrs["gen_ai.usage.output_tokens"]})
+    if decode is not None:
+        for instant, drafted, accepted in t.spec_steps:
+            decode.add_event("spec_verify", {"kvmesh.spec.draft_tokens": drafted,
+                                             "kvmesh.spec.accepted_tokens": accepted}, timestamp=ns(instant))
+        decode.end(end_time=ns(t.finished))
