@@ -137,14 +137,15 @@ def _prompts(tok, ids: dict[str, list[int]], n: int) -> list[RagPrompt]:
 # ---- through the services ------------------------------------------------------------------
 
 def _parts(p: RagPrompt, ids: dict[str, list[int]], sep: list[int]):
+    from kvmesh.common.v1.common_pb2 import TokenIds
     from kvmesh.engine.v1 import engine_pb2 as pb
 
-    parts = [pb.PromptPart(tokens=pb.TokenIds(ids=p.head))]
+    parts = [pb.PromptPart(tokens=TokenIds(ids=p.head))]
     for i, d in enumerate(p.docs):
         if i:
-            parts.append(pb.PromptPart(tokens=pb.TokenIds(ids=sep)))
-        parts.append(pb.PromptPart(document=pb.TokenIds(ids=ids[d])))
-    parts.append(pb.PromptPart(tokens=pb.TokenIds(ids=p.tail)))
+            parts.append(pb.PromptPart(tokens=TokenIds(ids=sep)))
+        parts.append(pb.PromptPart(document=TokenIds(ids=ids[d])))
+    parts.append(pb.PromptPart(tokens=TokenIds(ids=p.tail)))
     return pb.Prompt(parts=parts)
 
 
@@ -162,9 +163,9 @@ async def _generate(stub, *, salt: str, ids=None, parts=None, ratio=None, max_to
     t0 = time.perf_counter()
     first, tokens, final = None, [], None
     async for msg in stub.Generate(req, timeout=600):
-        if first is None and msg.token_ids:
+        if first is None and msg.delta.token_ids:
             first = time.perf_counter() - t0
-        tokens += msg.token_ids
+        tokens += msg.delta.token_ids
         if msg.HasField("final"):
             final = msg.final
     return first, tokens, final
@@ -174,10 +175,11 @@ def _agree(a: list[int], ref: list[int]) -> float:
     return sum(x == y for x, y in zip(a, ref)) / len(ref)
 
 
-async def _service_rows(address: str, kv_address: str, rag_namespace: bytes, prompts, ids, sep, catalog,
+async def _service_rows(address: str, kv_address: str, prompts, ids, sep, catalog,
                         questions) -> tuple[list[dict], dict]:
     import grpc
 
+    from kvmesh.common.v1.common_pb2 import TokenIds
     from kvmesh.engine.v1 import engine_pb2 as pb
     from kvmesh.engine.v1 import engine_pb2_grpc
 
@@ -200,7 +202,7 @@ async def _service_rows(address: str, kv_address: str, rag_namespace: bytes, pro
                  row("reused_share", reused, "share", mode="prefix")]
         # blend: every document stored by content (ingested alone) first
         for name in QUESTIONS:
-            await stub.IngestDocument(pb.IngestDocumentRequest(document_id=name, token_ids=pb.TokenIds(ids=ids[name]),
+            await stub.IngestDocument(pb.IngestDocumentRequest(document_id=name, token_ids=TokenIds(ids=ids[name]),
                                                                cache_salt="blend"), timeout=600)
         for ratio in RATIOS:
             res = [await _generate(stub, salt="blend", parts=_parts(p, ids, sep), ratio=ratio) for p in prompts]
@@ -219,14 +221,16 @@ async def _service_rows(address: str, kv_address: str, rag_namespace: bytes, pro
             await stub.IngestDocument(pb.IngestDocumentRequest(document_id=name, text=text, cache_salt="rag"),
                                       timeout=600)
         print(f"ingested {len(catalog)} documents in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        rag_namespace = (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)).kv_namespace
+        rag_namespace.tenant_salt = "rag"  # the engine's namespace, for the requests' salt
         hits = {name: await _search(kv_address, rag_namespace, q, 5) for name, q in questions.items()}
         for ratio, mode in ((0.15, "retrieve_blend"), (1.0, "retrieve_prefill")):
             ttfts = []
             for p in prompts:
-                parts = pb.Prompt(parts=[pb.PromptPart(tokens=pb.TokenIds(ids=p.head)),
+                parts = pb.Prompt(parts=[pb.PromptPart(tokens=TokenIds(ids=p.head)),
                                          pb.PromptPart(retrieve=pb.Retrieve(query=QUESTIONS[p.target], k=RETRIEVE_K,
-                                                                            separator=pb.TokenIds(ids=sep))),
-                                         pb.PromptPart(tokens=pb.TokenIds(ids=p.tail))])
+                                                                            separator=TokenIds(ids=sep))),
+                                         pb.PromptPart(tokens=TokenIds(ids=p.tail))])
                 first, _, final = await _generate(stub, salt="rag", parts=parts, ratio=ratio)
                 ttfts.append(first)
             rows.append(row("ttft_s", statistics.fmean(ttfts), "s", mode=mode, k=RETRIEVE_K))
@@ -248,15 +252,16 @@ async def _fetch_rows(address: str, prompts, ids, sep) -> list[dict]:
                 hot_lru=False)]
 
 
-async def _search(kv_address: str, namespace: bytes, query: str, k: int) -> list[str]:
-    """Top-k catalogued documents for `query` from the KV service's index (MiniLM)."""
+async def _search(kv_address: str, namespace, query: str, k: int) -> list[str]:
+    """Top-k catalogued documents for `query` from the KV service's index (MiniLM), in
+    `namespace` (a kvmesh.common.v1.KvNamespace)."""
     import grpc
 
     from kvmesh.kvcache.v1 import kvcache_pb2 as kpb
     from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 
     async with grpc.aio.insecure_channel(kv_address) as ch:
-        resp = await kvcache_pb2_grpc.KvcacheServiceStub(ch).Search(
+        resp = await kvcache_pb2_grpc.KvCatalogServiceStub(ch).Search(
             kpb.SearchRequest(text=query, namespace=namespace, kind=kpb.INDEX_KIND_DOCUMENT, k=k), timeout=60)
     return [h.document_id for h in resp.hits]
 
@@ -364,9 +369,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
     import tempfile
 
     from kvmesh import launcher
-    from kvmesh.kv.keys import make_namespace
     from kvmesh.model.loader import load_model
-    from kvmesh.services.engine.build import kv_layout
 
     plan = QUICK if quick else FULL
     print(f"kvmesh bench blend ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
@@ -376,7 +379,6 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
     sep = tok.encode("\n\n")
     prompts = _prompts(tok, ids, plan.prompts)
     catalog = _catalog(plan.catalog)
-    rag_namespace = make_namespace(loaded.identity, kv_layout(loaded), "rag")  # the engine's, for salt "rag"
     print(f"{len(prompts)} prompts of {min(len(p.ids(ids, sep)) for p in prompts)}-"
           f"{max(len(p.ids(ids, sep)) for p in prompts)} tokens; catalog of {len(catalog)} documents",
           file=sys.stderr)
@@ -396,7 +398,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
 
             engine = start_engine()
             procs.append(engine)
-            rows, hits = asyncio.run(_service_rows(engine.address, kv.address, rag_namespace, prompts, ids, sep,
+            rows, hits = asyncio.run(_service_rows(engine.address, kv.address, prompts, ids, sep,
                                                    catalog, QUESTIONS))
             launcher.stop_service(procs.pop())
             cold = start_engine("--kv-hot-bytes", "0")

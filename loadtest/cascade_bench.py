@@ -73,13 +73,14 @@ class Answer:
 async def _ask(stub, tok, task: Task, model: str, threshold: float | None, max_tokens: int) -> Answer:
     import time
 
+    from kvmesh.common.v1 import common_pb2
     from kvmesh.engine.v1 import engine_pb2
     from kvmesh.router.v1 import router_pb2
 
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": task.question}],
                                              add_generation_prompt=True))
     req = router_pb2.RouteRequest(model=model, request=engine_pb2.GenerateRequest(
-        token_ids=engine_pb2.TokenIds(ids=ids),
+        token_ids=common_pb2.TokenIds(ids=ids),
         sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0)))
     if threshold is not None:
         req.cascade_threshold = threshold
@@ -87,9 +88,9 @@ async def _ask(stub, tok, task: Task, model: str, threshold: float | None, max_t
     async for msg in stub.Generate(req, timeout=600):
         if msg.HasField("route"):
             route = msg.route
-        if first is None and msg.response.token_ids:
+        if first is None and msg.response.delta.token_ids:
             first = time.perf_counter()
-        text.append(msg.response.text)
+        text.append(msg.response.delta.text)
         if msg.response.HasField("final"):
             final = msg.response.final
             end = time.perf_counter()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import psutil
 
 from kvmesh.loadtest.report import pivot, row
+from kvmesh.threads import set_torch_threads
 
 
 @dataclass(frozen=True)
@@ -59,18 +60,19 @@ class Prompts:
 
 async def _one(stub, ids: list[int], max_tokens: int):
     """Streams one request; returns (t_start, t_first_token, t_end, n_tokens)."""
+    from kvmesh.common.v1 import common_pb2
     from kvmesh.engine.v1 import engine_pb2
 
     req = engine_pb2.GenerateRequest(
-        token_ids=engine_pb2.TokenIds(ids=ids),
+        token_ids=common_pb2.TokenIds(ids=ids),
         sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     t0 = time.perf_counter()
     first = None
     n = 0
     async for msg in stub.Generate(req, timeout=600):
-        if msg.token_ids and first is None:
+        if msg.delta.token_ids and first is None:
             first = time.perf_counter()
-        n += len(msg.token_ids)
+        n += len(msg.delta.token_ids)
     return t0, first, time.perf_counter(), n
 
 
@@ -129,7 +131,7 @@ def bench_hf(plan: Plan, prompts: Prompts) -> list[dict]:
 
     from kvmesh.model.loader import bundled_gguf_path
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    set_torch_threads(0)
     path = bundled_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

@@ -81,19 +81,18 @@ class PagedSequence:
 @torch.inference_mode()
 def quality_rows(plan: Plan) -> list[dict]:
     from kvmesh.kv import codec
-    from kvmesh.kv.keys import KvLayout, make_namespace
     from kvmesh.kv.rope import rotate_keys, unrotate_keys
     from kvmesh.model.attention import read_kv
     from kvmesh.model.loader import load_model
     from kvmesh.model.perplexity import reference_text
+    from kvmesh.services.engine.build import engine_namespace
 
     lm = load_model("bundled", progress=False)
     ids = lm.tokenizer.encode(reference_text())
     prompt = ids[:plan.quality_prompt]
     cont = ids[plan.quality_prompt:plan.quality_prompt + plan.quality_continuation]
     total = len(prompt) + len(cont) + plan.greedy_tokens
-    c = lm.config
-    ns = make_namespace(lm.identity, KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, "float32"))
+    ns = engine_namespace(lm).digest()
     rotary = lm.model.rotary
 
     exact = PagedSequence(lm, total)
@@ -161,9 +160,10 @@ def quality_rows(plan: Plan) -> list[dict]:
 async def _ttft(address: str, ids: list[int]) -> tuple[float, int]:
     import grpc
 
+    from kvmesh.common.v1 import common_pb2
     from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 
-    req = engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=ids),
+    req = engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
                                      sampling=engine_pb2.SamplingParams(max_tokens=1, temperature=0.0))
     async with grpc.aio.insecure_channel(address) as ch:
         t0 = time.perf_counter()

@@ -70,6 +70,7 @@ def pool_bytes(plan: Plan, pool: str) -> int:
 
 
 async def _user(stub, tok, doc: str, user: int, plan: Plan, salt: str, samples: list) -> None:
+    from kvmesh.common.v1 import common_pb2
     from kvmesh.engine.v1 import engine_pb2
     from kvmesh.router.v1 import router_pb2
 
@@ -78,7 +79,7 @@ async def _user(stub, tok, doc: str, user: int, plan: Plan, salt: str, samples: 
     for turn in range(plan.turns):
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
         req = router_pb2.RouteRequest(tenant=f"user{user}", request=engine_pb2.GenerateRequest(
-            token_ids=engine_pb2.TokenIds(ids=ids), cache_salt=salt,
+            token_ids=common_pb2.TokenIds(ids=ids), cache_salt=salt,
             sampling=engine_pb2.SamplingParams(max_tokens=plan.answer_tokens, temperature=0.0,
                                                ignore_eos=True)))
         t0 = time.perf_counter()
@@ -86,9 +87,9 @@ async def _user(stub, tok, doc: str, user: int, plan: Plan, salt: str, samples: 
         text = []
         final = None
         async for msg in stub.Generate(req, timeout=900):
-            if first is None and msg.response.token_ids:
+            if first is None and msg.response.delta.token_ids:
                 first = time.perf_counter() - t0
-            text.append(msg.response.text)
+            text.append(msg.response.delta.text)
             if msg.response.HasField("final"):
                 final = msg.response.final
         samples.append((first, final.usage.prompt_tokens, final.usage.cached_prompt_tokens, user, turn))

@@ -75,12 +75,13 @@ def extractive_prompts(n: int) -> list[str]:
 
 
 def _request(tok, text: str, drafter: str, max_tokens: int):
+    from kvmesh.common.v1 import common_pb2
     from kvmesh.engine.v1 import engine_pb2
 
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
     spec = {"off": engine_pb2.SPECULATION_OFF, "ngram": engine_pb2.SPECULATION_NGRAM,
             "model": engine_pb2.SPECULATION_MODEL, "adaptive": engine_pb2.SPECULATION_ADAPTIVE}[drafter]
-    return engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=ids), speculation=spec,
+    return engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), speculation=spec,
                                       sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0))
 
 
@@ -88,9 +89,9 @@ async def _one(stub, req) -> dict:
     t0 = time.perf_counter()
     first, tokens, final = None, [], None
     async for msg in stub.Generate(req, timeout=900):
-        if first is None and msg.token_ids:
+        if first is None and msg.delta.token_ids:
             first = time.perf_counter()
-        tokens.extend(msg.token_ids)
+        tokens.extend(msg.delta.token_ids)
         if msg.HasField("final"):
             final = msg.final
     end = time.perf_counter()

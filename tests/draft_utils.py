@@ -1,5 +1,5 @@
 """Test helpers for the draft service: reference drafters (from scratch, no state), request
-builders, a fake clock, and the service on a real gRPC server on port 0.
+builders, and the service on a real gRPC server on port 0.
 
     async with serving_draft(draft_config(draft_model=None)) as d:
         resp = await d.stub.Propose(propose([seq("a", [1, 2, 3, 1, 2], k=3)]), timeout=10)
@@ -16,9 +16,12 @@ import grpc
 from kvmesh.draft.v1 import draft_pb2 as pb
 from kvmesh.draft.v1 import draft_pb2_grpc
 from rpc_utils import served
+from kvmesh.rpc.server import ServerSettings
 from kvmesh.services.draft.build import build_service
 from kvmesh.services.draft.config import DraftConfig
+from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.servicer import DraftServicer
+from kvmesh.telemetry import Telemetry
 
 DRAFT_SERVICE = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 TARGET = "0" * 64
@@ -72,22 +75,9 @@ def greedy_reference(loaded, context: Sequence[int], k: int, block_size: int = 1
     return out, logprobs
 
 
-class FakeClock:
-    """A settable monotonic clock for TTL tests."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def draft_config(**overrides) -> DraftConfig:
     """A DraftConfig for tests: port 0, no draft model, TARGET as the target, unless overridden."""
-    base = dict(port=0, draft_model=None, target_model=TARGET, sweep_interval_s=0.0)
+    base = dict(server=ServerSettings(port=0), draft_model=None, target_model=TARGET, sweep_interval_s=0.0)
     return DraftConfig(**{**base, **overrides})
 
 
@@ -119,11 +109,13 @@ class ServedDraft:
 async def serving_draft(cfg: DraftConfig, loaded=None) -> AsyncIterator[ServedDraft]:
     """The draft service for `cfg` (and draft model `loaded`, if any) on 127.0.0.1:<free port>
     with the shared interceptors; yields it with a client stub, then drains it."""
+    telemetry = Telemetry.create("kvmesh-draft")
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-test-worker")
-    servicer = DraftServicer(build_service(cfg, loaded), worker)
+    servicer = DraftServicer(build_service(cfg, loaded, metrics=DraftMetrics(telemetry.registry)),
+                             worker)
     try:
         async with served("draft", lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
-                          DRAFT_SERVICE) as srv:
+                          DRAFT_SERVICE, telemetry=telemetry) as srv:
             yield ServedDraft(srv.address, draft_pb2_grpc.DraftServiceStub(srv.channel), servicer)
     finally:
         worker.shutdown(wait=True)

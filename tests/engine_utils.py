@@ -1,6 +1,9 @@
-"""Test helpers for driving an EngineCore synchronously (no threads, exact)."""
+"""Test helpers for the engine: an EngineCore with the deployment's settings, driven synchronously
+(no threads, exact) or served on a real port with its step loop moved by counted steps
+(`StepGate`), and a scriptable fake draft service. Nothing here waits on the wall clock."""
 from __future__ import annotations
 
+import threading
 import time
 
 from kvmesh.draft.v1 import draft_pb2, draft_pb2_grpc
@@ -10,16 +13,15 @@ from kvmesh.services.engine.core import EngineCore, EngineRequest
 from kvmesh.services.engine.sampling import SamplingParams
 
 
-def make_core(loaded, **overrides) -> EngineCore:
-    """An EngineCore on `loaded` with a small KV pool unless overridden. Requests that name no
-    speculation mode draft with the n-gram mode (the deployment default, adaptive, lets the
-    SpecGate skip drafting steps, which the tests of the drafting mechanics set up on purpose),
-    and every speculating sequence gets its drafts whatever the batch (the deployment default
-    fits drafts to 8 rows a step; its own test sets that up)."""
-    base = dict(num_blocks=512, block_size=16, max_num_batched_tokens=256, speculation="ngram",
-                spec_step_rows=256)
-    base.update(overrides)
-    return build_core(EngineConfig(**base), loaded)
+def make_core(loaded, *, draft_clock=None, **overrides) -> EngineCore:
+    """An EngineCore on `loaded` with the deployment's settings (EngineConfig's defaults: adaptive
+    speculation, up to 7 drafts within 8 decode rows a step, a 0.1 s Propose deadline, ...) on a
+    small KV pool; a test about another setting names it in `overrides`. `draft_clock` (e.g. a
+    FakeClock) times the draft client's back-off, so a retry period passes when the test says."""
+    cfg = EngineConfig(**{"num_blocks": 512, **overrides})  # the deployment's pool is 1 GiB
+    if draft_clock is None:
+        return build_core(cfg, loaded)
+    return build_core(cfg, loaded, clock=draft_clock)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -135,7 +137,7 @@ class ServedEngine:
         return [m async for m in self.stub.Generate(request, timeout=timeout)]
 
 
-def serve_engine(core, *, max_waiting: int = 64):
+def serve_engine(core):
     """Async context manager: `core` on its step-loop thread, served on 127.0.0.1:<free port>
     with the shared interceptors; yields a ServedEngine and tears everything down after."""
     import contextlib
@@ -150,7 +152,7 @@ def serve_engine(core, *, max_waiting: int = 64):
 
     @contextlib.asynccontextmanager
     async def served_engine():
-        engine = AsyncEngine(lambda: core, max_waiting=max_waiting)
+        engine = AsyncEngine(lambda: core)
         servicer = EngineServicer(engine, model_info(core, EngineConfig()))
         try:
             async with served("engine", lambda s: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, s),
@@ -162,6 +164,38 @@ def serve_engine(core, *, max_waiting: int = 64):
     return served_engine()
 
 
+class StepGate:
+    """Holds the step loop of a served `core` between steps: every `core.step()` waits for a
+    permit (`allow`) until `open()`. A test then moves the engine by counted steps, not by time.
+    Call `open()` before the engine shuts down (its loop must reach the stop)."""
+
+    def __init__(self, core) -> None:
+        self.held = threading.Event()
+        """Set while a step waits for its permit (no step runs; none is half done)."""
+        self._permits = threading.Semaphore(0)
+        self._open = False
+        step = core.step
+
+        def gated():
+            if not self._open:
+                self.held.set()
+                self._permits.acquire()
+                self.held.clear()
+            return step()
+
+        core.step = gated
+
+    def allow(self, steps: int = 1) -> None:
+        """Lets `steps` more steps run."""
+        for _ in range(steps):
+            self._permits.release()
+
+    def open(self) -> None:
+        """Lets every step run from now on."""
+        self._open = True
+        self._permits.release()
+
+
 # ---- a scriptable fake draft service (kvmesh.draft.v1) for speculative decoding tests -----------
 
 class FakeDraftService:
@@ -171,15 +205,19 @@ class FakeDraftService:
     It keeps per-sequence histories exactly as the protocol says (new tokens appended, checked
     against committed_len, `needs_resync` on a mismatch, `resync` replaces) and drafts with
     `propose(request_id, history, max_draft_tokens) -> list[int]` (request id = the part of
-    the sequence id after the engine instance). Knobs: `delay_s` (answer late), `fail` (a
-    status code to answer with). Records every request in `calls` and released ids in
-    `released`. `stop()` / `start()` kill it and bring it back on the same port, empty.
+    the sequence id after the engine instance). Knobs, all deterministic: `fail` (a status code
+    every call answers with), `fail_next` (status codes the next calls answer with, one each:
+    DEADLINE_EXCEEDED stands for a late answer), `hold_answers()` (calls wait until
+    `release_answers()`: late past any deadline, without a race against one). Records every
+    request in `calls` and released ids in `released`; `wait_for` blocks until the calls the
+    engine does not wait for (Release) have arrived. `stop()` / `start()` kill it and bring it
+    back on the same port, empty.
     """
 
     def __init__(self, propose=None, port: int = 0) -> None:
         self.propose = propose or (lambda rid, history, k: [])
-        self.delay_s = 0.0
         self.fail = None
+        self.fail_next: list = []
         self.calls: list = []
         self.released: list[str] = []
         self.histories: dict[str, list[int]] = {}
@@ -189,6 +227,9 @@ class FakeDraftService:
         """What GetInfo says the drafts are for ("" = not said)."""
         self.port = port
         self._server = None
+        self._changed = threading.Condition()  # notified on every call and release
+        self._answering = threading.Event()
+        self._answering.set()
         self.start()
 
     @property
@@ -208,9 +249,23 @@ class FakeDraftService:
         self._server = server
 
     def stop(self) -> None:
+        self.release_answers()  # a held call would keep its worker thread (and the process) alive
         if self._server is not None:
             self._server.stop(grace=None).wait()
             self._server = None
+
+    def hold_answers(self) -> None:
+        """Propose calls from now on wait for `release_answers` before they answer."""
+        self._answering.clear()
+
+    def release_answers(self) -> None:
+        self._answering.set()
+
+    def wait_for(self, condition, timeout: float = 10.0) -> bool:
+        """Blocks until `condition(self)` holds (checked at every call and release it receives);
+        the timeout only bounds a failing test."""
+        with self._changed:
+            return self._changed.wait_for(lambda: condition(self), timeout)
 
     def proposed_lengths(self) -> list[list[int]]:
         """max_draft_tokens of every sequence of every call so far."""
@@ -223,11 +278,13 @@ class _FakeDraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Propose(self, request, context):
         fake = self.fake
-        fake.calls.append(request)
-        if fake.delay_s:
-            time.sleep(fake.delay_s)
-        if fake.fail is not None:
-            context.abort(fake.fail, "scripted failure")
+        with fake._changed:
+            fake.calls.append(request)
+            fail = fake.fail_next.pop(0) if fake.fail_next else fake.fail
+            fake._changed.notify_all()
+        fake._answering.wait()
+        if fail is not None:
+            context.abort(fail, "scripted failure")
         out = draft_pb2.ProposeResponse()
         for s in request.sequences:
             if s.resync:
@@ -244,8 +301,11 @@ class _FakeDraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return out
 
     def Release(self, request, context):
-        self.fake.released.extend(request.sequence_ids)
-        n = sum(self.fake.histories.pop(i, None) is not None for i in request.sequence_ids)
+        fake = self.fake
+        with fake._changed:
+            fake.released.extend(request.sequence_ids)
+            n = sum(fake.histories.pop(i, None) is not None for i in request.sequence_ids)
+            fake._changed.notify_all()
         return draft_pb2.ReleaseResponse(released=n)
 
     def GetInfo(self, request, context):

@@ -29,9 +29,11 @@ from kvmesh.engine.v1 import engine_pb2
 from kvmesh.model.tokenizer import Tokenizer, _byte_alphabet
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.rpc.client import make_channel
-from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.rpc.server import RpcServer, ServerSettings
 from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.server import GatewayServer, build_gateway
+from kvmesh.telemetry import Telemetry
 
 T = TypeVar("T")
 
@@ -68,10 +70,10 @@ class FakeRouterState:
     """What the fake does and what it saw (shared between the test thread and the server loop)."""
 
     models: list[router_pb2.ModelCard] = field(default_factory=lambda: [
-        router_pb2.ModelCard(id=MODEL, root="tiny-root", max_model_len=MAX_MODEL_LEN, kind="tier",
-                             tiers=[MODEL]),
+        router_pb2.ModelCard(id=MODEL, root="tiny-root", max_model_len=MAX_MODEL_LEN,
+                             kind=router_pb2.MODEL_KIND_TIER, tiers=[MODEL]),
         router_pb2.ModelCard(id="cascade", root="tiny-root", max_model_len=MAX_MODEL_LEN,
-                             kind="cascade", tiers=[MODEL, "big"])])
+                             kind=router_pb2.MODEL_KIND_CASCADE, tiers=[MODEL, "big"])])
     cached_tokens: int = 0
     final: engine_pb2.Final | None = None
     """Merged into every final message (e.g. a document prompt's blend counters and usage)."""
@@ -101,8 +103,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             await context.abort(self.state.models_fail, "router is down")
         return router_pb2.ListModelsResponse(models=self.state.models)
 
-    def _logprobs(self, token_id: int, text: str, k: int, position: int) -> engine_pb2.TokenLogprobs:
-        return engine_pb2.TokenLogprobs(
+    def _logprobs(self, token_id: int, text: str, k: int, position: int) -> common_pb2.TokenLogprobs:
+        return common_pb2.TokenLogprobs(
             chosen=common_pb2.TokenLogprob(token_id=token_id, logprob=-0.25 * (position + 1),
                                            text=text),
             top=[common_pb2.TokenLogprob(token_id=1000 + j, logprob=-1.0 - j, text=f"alt{j}")
@@ -135,13 +137,13 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         k = sp.logprobs if sp.HasField("logprobs") else None
         ids = list(g.token_ids.ids) or [t for p in g.parts.parts
                                          for t in (*p.tokens.ids, *p.document.ids)]
-        first = engine_pb2.GenerateResponse(request_id=g.request_id)
+        first = engine_pb2.GenerateResponse(request_id=g.request_id, delta=engine_pb2.Delta())
         if sp.HasField("prompt_logprobs"):
-            first.prompt_logprobs.extend(
+            first.delta.prompt_logprobs.extend(
                 self._logprobs(t, self.tokenizer.decode([t], False), sp.prompt_logprobs, i)
                 for i, t in enumerate(ids[1:]))
         yield router_pb2.RouteResponse(response=first, route=router_pb2.RouteInfo(
-            tier=MODEL, replica="fake", policy="kv_aware"))
+            tier=MODEL, replica="fake", policy=router_pb2.PLACEMENT_POLICY_KV_AWARE))
         text, generated, finish = "", 0, common_pb2.FINISH_REASON_STOP
         for i, word in enumerate(words):
             if generated == max_tokens:
@@ -153,10 +155,10 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             cut = min((x for x in ((text + word).find(stop) for stop in sp.stop) if x >= 0),
                       default=-1)
             piece = word if cut < 0 else (text + word)[len(text):cut]
-            out = engine_pb2.GenerateResponse(request_id=g.request_id, token_ids=[2000 + i],
-                                              text=piece)
+            out = engine_pb2.GenerateResponse(request_id=g.request_id, delta=engine_pb2.Delta(
+                token_ids=[2000 + i], text=piece))
             if k is not None:
-                out.logprobs.append(self._logprobs(2000 + i, word, k, i))
+                out.delta.logprobs.append(self._logprobs(2000 + i, word, k, i))
             yield router_pb2.RouteResponse(response=out)
             text += piece
             if cut >= 0:
@@ -189,6 +191,8 @@ class GatewayHarness:
         self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-harness",
                                         daemon=True)
         self.server: GatewayServer | None = None
+        self.telemetry = Telemetry.create("kvmesh-gateway")
+        """The gateway's (a test may add a span processor to its provider)."""
 
     @property
     def state(self) -> FakeRouterState:
@@ -213,16 +217,20 @@ class GatewayHarness:
         self.fake.state = FakeRouterState(models=models)
 
     async def _start(self) -> None:
-        self._router = RpcServer("router", ServerOptions(port=0, grace_s=0.5),
+        self._router = RpcServer("router", ServerSettings(port=0, grace_s=0.5),
                                  lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(
-                                     self.fake, s), [ROUTER_SERVICE])
+                                     self.fake, s), [ROUTER_SERVICE],
+                                 telemetry=Telemetry.create("kvmesh-fake-router"))
         router_port = await self._router.start()
         self.router_address = f"127.0.0.1:{router_port}"
+        config = dict(self.config)
+        server = ServerSettings(port=0, grace_s=config.pop("grace_s", 1.0))
         cfg = GatewayConfig(**{"router_address": f"127.0.0.1:{router_port}", "http_port": 0,
-                               "port": 0, "grace_s": 1.0, "models_refresh_s": 0.0,
-                               **self.config})
+                               "server": server, "models_refresh_s": 0.0, **config})
         self._channel = make_channel(cfg.router_address)
-        self.server = GatewayServer(cfg, build_gateway(cfg, self.tokenizer, self._channel))
+        gateway = build_gateway(cfg, self.tokenizer, self._channel,
+                                GatewayMetrics(self.telemetry.registry))
+        self.server = GatewayServer(cfg, gateway, self.telemetry)
         self.http_port, self.grpc_port = await self.server.start()
 
     async def _stop(self) -> None:

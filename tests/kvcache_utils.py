@@ -12,9 +12,12 @@ import numpy as np
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 from rpc_utils import served
+from kvmesh.services.kvcache.backend import Backend
 from kvmesh.services.kvcache.build import build_store
 from kvmesh.services.kvcache.config import KvcacheConfig
-from kvmesh.services.kvcache.servicer import KvcacheServicer
+from kvmesh.services.kvcache.metrics import KvcacheMetrics
+from kvmesh.services.kvcache.servicer import KvCatalogServicer, KvcacheServicer
+from kvmesh.telemetry import Telemetry
 
 class WordEmbedder:
     """A fast, deterministic stand-in for the real embedder: a normalized bag of hashed words, so
@@ -42,17 +45,29 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KvcacheService"].full_name
 class Serving:
     address: str
     stub: kvcache_pb2_grpc.KvcacheServiceStub
-    servicer: KvcacheServicer
+    """The blob store (KvcacheService)."""
+    catalog: kvcache_pb2_grpc.KvCatalogServiceStub
+    """Documents and search (KvCatalogService), on the same server."""
+    backend: Backend
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg: KvcacheConfig, embedder=None) -> AsyncIterator[Serving]:
-    """Starts a KV-cache server for `cfg` (its port is ignored: port 0), yields it with a client
-    stub, then drains it and closes its store. `embedder` replaces the real one (e.g. WordEmbedder)."""
-    servicer = KvcacheServicer(build_store(cfg), max_entry_bytes=cfg.max_entry_bytes, embedder=embedder)
+async def serving(cfg: KvcacheConfig, embedder=None, telemetry: Telemetry | None = None
+                  ) -> AsyncIterator[Serving]:
+    """Starts a KV-cache server for `cfg` (its port is ignored: port 0) with both services, yields
+    it with client stubs, then drains it and closes its store. `embedder` replaces the real one
+    (e.g. WordEmbedder); metrics and spans go to `telemetry` (default: a fresh one)."""
+    telemetry = telemetry or Telemetry.create("kvmesh-kvcache")
+    backend = Backend(build_store(cfg), metrics=KvcacheMetrics(telemetry.registry), embedder=embedder)
+    blobs, catalog = KvcacheServicer(backend, max_entry_bytes=cfg.max_entry_bytes), KvCatalogServicer(backend)
+
+    def register(server: grpc.aio.Server) -> None:
+        kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(blobs, server)
+        kvcache_pb2_grpc.add_KvCatalogServiceServicer_to_server(catalog, server)
+
     try:
-        async with served("kvcache", lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s),
-                          SERVICE) as srv:
-            yield Serving(srv.address, kvcache_pb2_grpc.KvcacheServiceStub(srv.channel), servicer)
+        async with served("kvcache", register, SERVICE, telemetry=telemetry) as srv:
+            yield Serving(srv.address, kvcache_pb2_grpc.KvcacheServiceStub(srv.channel),
+                          kvcache_pb2_grpc.KvCatalogServiceStub(srv.channel), backend)
     finally:
-        servicer.close()
+        backend.close()

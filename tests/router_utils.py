@@ -23,11 +23,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.rpc.server import RpcServer, ServerSettings
 from rpc_utils import served
 from kvmesh.services.router.build import build_router
 from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.servicer import RouterServicer
+from kvmesh.telemetry import Telemetry
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -45,7 +47,7 @@ class Script:
     waiting: int = 0
     pending_prefill_tokens: int = 0
     probe_error: grpc.StatusCode | None = None
-    probe_delay_s: float = 0.0
+    probe_hangs: bool = False                     # Probe never answers (the caller's deadline ends it)
     generate_error: tuple[grpc.StatusCode, str] | None = None  # before the first message
     fail_after: int | None = None                 # UNAVAILABLE after this many tokens
     hold_after: int | None = None                 # wait for `release` after this many tokens
@@ -73,11 +75,11 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     def text(self, token: int) -> str:
         return f" {self.name}{token}"
 
-    def _logprobs(self, i: int, token: int, k: int) -> engine_pb2.TokenLogprobs:
+    def _logprobs(self, i: int, token: int, k: int) -> common_pb2.TokenLogprobs:
         s = self.script
         chosen = s.logprobs[i] if s.logprobs is not None else -0.1
         top = list(s.top[i]) if s.top is not None else [chosen - j for j in range(k)]
-        return engine_pb2.TokenLogprobs(
+        return common_pb2.TokenLogprobs(
             chosen=common_pb2.TokenLogprob(token_id=token, logprob=chosen, text=self.text(token)),
             top=[common_pb2.TokenLogprob(token_id=token + j, logprob=v, text=self.text(token + j))
                  for j, v in enumerate(top[:k])])
@@ -97,10 +99,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                 if s.hold_after is not None and i == s.hold_after:
                     self.holding.set()
                     await self.release.wait()
-                msg = engine_pb2.GenerateResponse(request_id=rid, token_ids=[token],
-                                                  text=self.text(token))
+                msg = engine_pb2.GenerateResponse(request_id=rid, delta=engine_pb2.Delta(
+                    token_ids=[token], text=self.text(token)))
                 if want is not None:
-                    msg.logprobs.append(self._logprobs(i, token, want))
+                    msg.delta.logprobs.append(self._logprobs(i, token, want))
                 yield msg
             done = True
             prompt = len(request.token_ids.ids) or len(request.text.split())
@@ -119,8 +121,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     async def Probe(self, request, context):
         self.probe_calls.append(request)
         s = self.script
-        if s.probe_delay_s:
-            await asyncio.sleep(s.probe_delay_s)
+        if s.probe_hangs:  # late by construction, not by a race between a sleep and a deadline
+            await asyncio.Event().wait()
         if s.probe_error is not None:
             await context.abort(s.probe_error, f"{self.name} probe failed")
         return engine_pb2.ProbeResponse(
@@ -145,9 +147,9 @@ async def fake_engines(*scripts: Script) -> AsyncIterator[list[FakeEngine]]:
         for i, script in enumerate(scripts):
             engine = FakeEngine(f"e{i}", script)
             engine.server = RpcServer(
-                f"fake-engine-{i}", ServerOptions(port=0, grace_s=0.5),
+                f"fake-engine-{i}", ServerSettings(port=0, grace_s=0.5),
                 lambda s, e=engine: engine_pb2_grpc.add_EngineServiceServicer_to_server(e, s),
-                [ENGINE_SERVICE])
+                [ENGINE_SERVICE], telemetry=Telemetry.create(f"kvmesh-fake-engine-{i}"))
             engine.address = f"127.0.0.1:{await engine.server.start()}"
             engines.append(engine)
         yield engines
@@ -172,7 +174,7 @@ def dead_address() -> str:
 
 def router_config(**overrides) -> RouterConfig:
     """A RouterConfig for tests (port 0, short timeouts), validated like a loaded one."""
-    base = dict(port=0, probe_timeout_s=1.0, down_backoff_s=30.0, generate_timeout_s=10.0,
+    base = dict(server=ServerSettings(port=0), probe_timeout_s=1.0, down_backoff_s=30.0, generate_timeout_s=10.0,
                 info_timeout_s=2.0)
     cfg = RouterConfig(**{**base, **overrides})
     cfg.validate()
@@ -183,7 +185,7 @@ def route_request(ids: Sequence[int] = (1, 2, 3), model: str = "", **sampling
                   ) -> router_pb2.RouteRequest:
     return router_pb2.RouteRequest(
         model=model, tenant="t1",
-        request=engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=ids),
+        request=engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids),
                                            sampling=engine_pb2.SamplingParams(**sampling)))
 
 
@@ -200,20 +202,23 @@ class RouterHarness:
 
 
 @contextlib.asynccontextmanager
-async def serving_router(cfg: RouterConfig) -> AsyncIterator[RouterHarness]:
-    """The router for `cfg` on port 0 behind the shared interceptor, with a client stub."""
-    router = build_router(cfg)
+async def serving_router(cfg: RouterConfig, telemetry: Telemetry | None = None
+                         ) -> AsyncIterator[RouterHarness]:
+    """The router for `cfg` on port 0 behind the shared interceptor, with a client stub; its
+    metrics and spans go to `telemetry` (default: a fresh one, `server.telemetry`)."""
+    telemetry = telemetry or Telemetry.create("kvmesh-router")
+    router = build_router(cfg, RouterMetrics(telemetry.registry))
     servicer = RouterServicer(router)
     try:
         async with served("router", lambda s: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, s),
-                          ROUTER_SERVICE, grace_s=0.5) as srv:
+                          ROUTER_SERVICE, grace_s=0.5, telemetry=telemetry) as srv:
             yield RouterHarness(srv.address, router_pb2_grpc.RouterServiceStub(srv.channel), servicer, srv.server)
     finally:
         await router.close()
 
 
 def text_of(messages: Sequence[router_pb2.RouteResponse]) -> str:
-    return "".join(m.response.text for m in messages)
+    return "".join(m.response.delta.text for m in messages)
 
 
 # --- a fake OpenAI-compatible endpoint ------------------------------------------------------

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.rpc.server import RpcServer, ServerOptions
+from kvmesh.rpc.server import RpcServer, ServerSettings
+from kvmesh.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,12 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def served(name: str, register: Callable[[grpc.aio.Server], None], service_full_name: str,
-                 *, grace_s: float = 1.0) -> AsyncIterator[Served]:
-    """Starts the server, yields it with an open channel, then closes the channel and drains."""
-    server = RpcServer(name, ServerOptions(port=0, grace_s=grace_s), register, [service_full_name])
+                 *, grace_s: float = 1.0, telemetry: Telemetry | None = None
+                 ) -> AsyncIterator[Served]:
+    """Starts the server, yields it with an open channel, then closes the channel and drains.
+    Its metrics and spans go to `telemetry` (default: a fresh one of its own)."""
+    server = RpcServer(name, ServerSettings(port=0, grace_s=grace_s), register, [service_full_name],
+                       telemetry=telemetry or Telemetry.create(f"kvmesh-{name}"))
     port = await server.start()
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -111,14 +110,15 @@ def _stack_address(name: str, flag: str | None) -> str:
 
 def _cmd_docs(args: argparse.Namespace) -> int:
     """The document catalog: ingest through the engine (it computes the KV), the rest in the KV
-    service, in the namespace of the engine's model and the given tenant salt."""
+    service, in the namespace the engine reports for its model with the tenant's salt."""
     import grpc
 
     from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-    from kvmesh.kv.keys import make_namespace
+    from kvmesh.kv.namespace import tenant_salt
     from kvmesh.kvcache.v1 import kvcache_pb2 as kpb
     from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 
+    salt = tenant_salt(args.tenant, args.cache_namespace)
     with grpc.insecure_channel(_stack_address("engine", args.engine)) as ech:
         engine = engine_pb2_grpc.EngineServiceStub(ech)
         try:
@@ -126,7 +126,7 @@ def _cmd_docs(args: argparse.Namespace) -> int:
                 text = sys.stdin.read() if args.path == "-" else open(args.path, encoding="utf-8").read()
                 meta = dict(kv.split("=", 1) for kv in args.meta)
                 req = engine_pb2.IngestDocumentRequest(document_id=args.id, text=text, metadata=meta,
-                                                       cache_salt=args.salt, pinned=args.pin)
+                                                       cache_salt=salt, pinned=args.pin)
                 if args.ttl_s is not None:
                     req.ttl_s = args.ttl_s
                 r = engine.IngestDocument(req, timeout=args.timeout)
@@ -136,15 +136,16 @@ def _cmd_docs(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             print(f"kvmesh docs {args.action}: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
-    ns = make_namespace(info.kv_identity, info.kv_layout, args.salt)
+    ns = info.kv_namespace
+    ns.tenant_salt = salt
     with grpc.insecure_channel(_stack_address("kvcache", args.kvcache)) as kch:
-        kv = kvcache_pb2_grpc.KvcacheServiceStub(kch)
+        catalog = kvcache_pb2_grpc.KvCatalogServiceStub(kch)
         try:
             if args.action == "list":
                 token = ""
                 while True:
-                    page = kv.ListDocuments(kpb.ListDocumentsRequest(namespace=ns, page_size=100, page_token=token),
-                                            timeout=args.timeout)
+                    page = catalog.ListDocuments(kpb.ListDocumentsRequest(namespace=ns, page_size=100,
+                                                                          page_token=token), timeout=args.timeout)
                     for d in page.documents:
                         meta = " ".join(f"{k}={v}" for k, v in sorted(d.metadata.items()))
                         print(f"{d.document_id}\t{len(d.chunk_keys)} chunks\t{'pinned' if d.pinned else ''}\t{meta}")
@@ -152,17 +153,18 @@ def _cmd_docs(args: argparse.Namespace) -> int:
                     if not token:
                         return 0
             if args.action == "search":
-                resp = kv.Search(kpb.SearchRequest(text=args.query, namespace=ns, kind=kpb.INDEX_KIND_DOCUMENT,
-                                                   k=args.k), timeout=args.timeout)
+                resp = catalog.Search(kpb.SearchRequest(text=args.query, namespace=ns, kind=kpb.INDEX_KIND_DOCUMENT,
+                                                        k=args.k), timeout=args.timeout)
                 for h in resp.hits:
                     print(f"{h.score:.3f}\t{h.document_id}")
                 return 0
             if args.action == "rm":
-                r = kv.DeleteDocument(kpb.DeleteDocumentRequest(namespace=ns, document_id=args.id), timeout=args.timeout)
+                r = catalog.DeleteDocument(kpb.DeleteDocumentRequest(namespace=ns, document_id=args.id),
+                                           timeout=args.timeout)
                 print(f"{args.id}: deleted ({r.deleted_chunks} chunks no other document used)")
                 return 0
-            kv.PinDocument(kpb.PinDocumentRequest(namespace=ns, document_id=args.id, pinned=not args.off),
-                           timeout=args.timeout)
+            catalog.PinDocument(kpb.PinDocumentRequest(namespace=ns, document_id=args.id, pinned=not args.off),
+                                timeout=args.timeout)
             print(f"{args.id}: {'unpinned' if args.off else 'pinned'}")
             return 0
         except grpc.RpcError as err:
@@ -230,9 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("id")
     pin.add_argument("--off", action="store_true")
     for sp in dsub.choices.values():
-        sp.add_argument("--salt", default="tenant:default",
-                        help="the tenant's cache salt as the gateway sets it: tenant:NAME, or ns:NAMESPACE for "
-                             "tenants sharing a namespace (default: the open local gateway's tenant)")
+        sp.add_argument("--tenant", default="default",
+                        help="the tenant whose documents these are, as named in the gateway's keys file "
+                             "(default: the open local gateway's tenant)")
+        sp.add_argument("--cache-namespace",
+                        help="the tenant's cache_namespace in the keys file, when it shares KV with others")
         sp.add_argument("--engine", help="engine host:port (default: the local stack's)")
         sp.add_argument("--kvcache", help="KV-cache host:port (default: the local stack's)")
         sp.add_argument("--timeout", type=float, default=300.0)

@@ -13,6 +13,12 @@
 Supported field types: str, int, float, bool (1/0, true/false, yes/no, on/off), pathlib.Path,
 Literal[...], tuple[X, ...] (comma-separated) and Optional[X] (an empty value or "none" unsets
 it). Every problem is a `ConfigError` naming the flag or variable, the bad value and the fix.
+
+A field whose type is itself a frozen settings dataclass is a group: its fields are flags of
+their own, named as if declared at the top (`--port`, `KVMESH_KVCACHE_PORT`), and the field's
+default instance gives their defaults. Settings every service shares are declared once that way:
+
+        server: ServerSettings = ServerSettings(port=50071)   # cfg.server.port
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -143,7 +149,7 @@ def _render(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
-    name: str
+    path: tuple[str, ...]  # attribute path from the config root: ("port",), ("server", "port")
     flag: str
     env: str
     convert: Callable[[str], Any]
@@ -151,24 +157,60 @@ class _Field:
     default: Any
     meta: _Meta
 
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+
+def _is_group(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
 
 def _fields(cls: type, service: str) -> list[_Field]:
+    fields = list(_walk(cls, env_prefix(service), None, ()))
+    seen: set[str] = set()
+    for f in fields:
+        if f.flag in seen:
+            raise TypeError(f"{cls.__name__}: {f.flag} is declared twice (a group's field and "
+                            "another field share the name); rename one")
+        seen.add(f.flag)
+    return fields
+
+
+def _walk(cls: type, prefix: str, defaults: Any, path: tuple[str, ...]) -> Iterator[_Field]:
+    """The flags of `cls`, groups flattened; `defaults` (a `cls` instance) overrides the defaults
+    its fields declare."""
     if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
         raise TypeError(f"{cls.__name__} must be a @dataclass(frozen=True)")
     hints = typing.get_type_hints(cls)
-    prefix = env_prefix(service)
-    out = []
     for f in dataclasses.fields(cls):
         if not f.init:
+            continue
+        default = f.default if defaults is None else getattr(defaults, f.name)
+        if _is_group(hints[f.name]):
+            if not isinstance(default, hints[f.name]):
+                raise TypeError(f"{cls.__name__}.{f.name} needs a default instance, e.g. "
+                                f"{f.name}: {hints[f.name].__name__} = {hints[f.name].__name__}()")
+            yield from _walk(hints[f.name], prefix, default, path + (f.name,))
             continue
         meta = f.metadata.get(_META_KEY)
         if meta is None:
             raise TypeError(f"{cls.__name__}.{f.name} needs a help text: declare it with "
                             "kvmesh.config.setting(default, help)")
-        out.append(_Field(f.name, "--" + f.name.replace("_", "-"), prefix + f.name.upper(),
-                          _converter(hints[f.name]), _unwrap_optional(hints[f.name])[0] is bool,
-                          f.default, meta))
-    return out
+        yield _Field(path + (f.name,), "--" + f.name.replace("_", "-"), prefix + f.name.upper(),
+                     _converter(hints[f.name]), _unwrap_optional(hints[f.name])[0] is bool,
+                     default, meta)
+
+
+def _assemble(cls: type[T], values: Mapping[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> T:
+    """`cls` built from the resolved values by path, its groups built first."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.init:
+            kwargs[f.name] = (_assemble(hints[f.name], values, path + (f.name,))
+                              if _is_group(hints[f.name]) else values[path + (f.name,)])
+    return cls(**kwargs)
 
 
 def env_prefix(service: str) -> str:
@@ -270,7 +312,7 @@ def load_config(cls: type[T], service: str, argv: list[str] | None = None,
         raise _unknown_flag(extra, fields, service)
     _check_env_names(environ, fields, service)
     flags = vars(namespace)
-    cfg = cls(**{f.name: _resolve(f, flags, environ) for f in fields})
+    cfg = _assemble(cls, {f.path: _resolve(f, flags, environ) for f in fields})
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         try:
@@ -283,10 +325,17 @@ def load_config(cls: type[T], service: str, argv: list[str] | None = None,
 
 
 def describe(cfg: object) -> str:
-    """One line with every field of `cfg` (secrets masked), for logging once at start."""
-    parts = []
+    """One line with every field of `cfg` (secrets masked, groups flattened as their flags are),
+    for logging once at start."""
+    return f"{type(cfg).__name__}(" + ", ".join(_described(cfg)) + ")"
+
+
+def _described(cfg: object) -> Iterator[str]:
     for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
         value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _described(value)
+            continue
         meta = f.metadata.get(_META_KEY)
         if meta is not None and meta.secret and value:
             shown = "***"
@@ -294,5 +343,4 @@ def describe(cfg: object) -> str:
             shown = _render(value)
         else:
             shown = repr(value)
-        parts.append(f"{f.name}={shown}")
-    return f"{type(cfg).__name__}(" + ", ".join(parts) + ")"
+        yield f"{f.name}={shown}"

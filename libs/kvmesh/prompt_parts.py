@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 
 
@@ -44,13 +45,13 @@ Part = Union[Tokens, InlineDocument, CatalogDocument, Retrieval]
 
 def part_to_proto(part: Part) -> engine_pb2.PromptPart:
     if isinstance(part, Tokens):
-        return engine_pb2.PromptPart(tokens=engine_pb2.TokenIds(ids=part.ids))
+        return engine_pb2.PromptPart(tokens=common_pb2.TokenIds(ids=part.ids))
     if isinstance(part, InlineDocument):
-        return engine_pb2.PromptPart(document=engine_pb2.TokenIds(ids=part.ids))
+        return engine_pb2.PromptPart(document=common_pb2.TokenIds(ids=part.ids))
     if isinstance(part, CatalogDocument):
         return engine_pb2.PromptPart(document_id=part.document_id)
     return engine_pb2.PromptPart(retrieve=engine_pb2.Retrieve(
-        query=part.query, k=part.k, separator=engine_pb2.TokenIds(ids=part.separator)))
+        query=part.query, k=part.k, separator=common_pb2.TokenIds(ids=part.separator)))
 
 
 def part_from_proto(p: engine_pb2.PromptPart) -> Part | None:

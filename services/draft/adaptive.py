@@ -1,4 +1,6 @@
-"""The adaptive policy: per sequence, which drafter and how many drafts pay for themselves.
+"""The adaptive policy: per sequence, which drafter pays for itself. The engine owns the draft
+length: the chosen drafter proposes the `max_draft_tokens` the engine asked for, fewer only when
+it has no more (an n-gram lookup that matched a shorter continuation).
 
 NOTE (the rule). Time is counted in target decode steps. A verification step with k drafts costs
 the target 1 + k * verify_cost (verifying extra positions is not free), and drafting them costs
@@ -9,22 +11,22 @@ a (each draft accepted only if all before it were), E[accepted] = a + a^2 + ... 
     rate(d, k) = (1 + a_d + ... + a_d^k) / (1 + k * (verify_cost + draft_cost[d]))
 
 tokens per step-equivalent (Leviathan et al.'s speedup with the verification cost added); no
-drafting has rate 1. The policy picks the (d, k) with the highest rate over the drafters that
-can propose now (the n-gram one only when its lookup matched; k up to what each can give) and
-drafts nothing unless that rate reaches 1 + min_gain: "stop drafting when it does not pay".
-Ties go to the cheaper drafter (registration order) and the shorter draft.
+drafting has rate 1. Each drafter that can propose now is priced at the length it would give,
+k_d (the engine's length, or what the n-gram lookup matched), and the policy picks the one with
+the highest rate(d, k_d), or none unless that rate reaches 1 + min_gain: "stop drafting when it
+does not pay". Ties go to the cheaper drafter (registration order).
 
 a_d is estimated from the engine's `last_accepted` feedback. A step that accepted `acc` of `k`
 drafts saw acc successes in acc + (1 if acc < k else 0) Bernoulli trials (the first rejection
 ends the run), so a_d = S/T with S, T exponentially decayed sums of successes and trials
 (S <- decay*S + acc, T <- decay*T + trials; a prior of prior_alpha over prior_weight trials
 seeds them). Unlike an average of acc/k, this estimate does not depend on k, so it stays right
-while the policy changes k.
+whatever length the engine asks for from step to step.
 
-Probing: a drafter left unused for probe_every calls (that asked for drafts) is given
-probe_tokens drafts once — the one idle longest first — so a drafter that was written off (or a
-sequence that changed character, e.g. started repeating itself) can win again. Everything here is
-plain arithmetic on the counters: deterministic, no randomness, no clock.
+Probing: a drafter left unused for probe_every calls (that asked for drafts) drafts once -- the
+one idle longest first -- so a drafter that was written off (or a sequence that changed
+character, e.g. started repeating itself) can win again. Everything here is plain arithmetic on
+the counters: deterministic, no randomness, no clock.
 """
 from __future__ import annotations
 
@@ -45,13 +47,12 @@ class AdaptiveParams:
     prior_weight: float = 2.0
     min_gain: float = 0.05
     probe_every: int = 16
-    probe_tokens: int = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.decay <= 1 or not 0 <= self.prior_alpha < 1 or self.prior_weight <= 0:
             raise ValueError("need 0 < decay <= 1, 0 <= prior_alpha < 1 and prior_weight > 0")
-        if self.probe_every < 1 or self.probe_tokens < 1 or self.verify_cost < 0 or self.min_gain < 0:
-            raise ValueError("need probe_every >= 1, probe_tokens >= 1, verify_cost >= 0, min_gain >= 0")
+        if self.probe_every < 1 or self.verify_cost < 0 or self.min_gain < 0:
+            raise ValueError("need probe_every >= 1, verify_cost >= 0, min_gain >= 0")
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -85,22 +86,13 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class Choice:
-    """What to draft for one sequence now: `drafter` None (and tokens 0) = draft nothing."""
+    """Which drafter proposes for one sequence now, and how many tokens it gives (`available`
+    of it); `drafter` None (and tokens 0) = draft nothing."""
 
     drafter: DrafterKind | None
     tokens: int
     rate: float
     probe: bool = False
-
-
-def best_length(alpha: float, available: int, cost_per_draft: float) -> tuple[int, float]:
-    """(k, rate) maximizing rate over k in 1..available (the shortest on ties)."""
-    best = (0, 1.0)
-    for k in range(1, available + 1):
-        r = rate(alpha, k, cost_per_draft)
-        if r > best[1] or best[0] == 0:
-            best = (k, r)
-    return best
 
 
 HOPELESS_PROBE_FACTOR = 16
@@ -109,21 +101,25 @@ high) is probed this many times less often: a probe costs a model forward (and t
 the sequence's context), and is only worth it to notice that the price has changed."""
 
 
+def _cost(kind: DrafterKind, params: AdaptiveParams) -> float:
+    return params.verify_cost + params.draft_cost[kind]
+
+
 def _probe_factor(kind: DrafterKind, available: int, params: AdaptiveParams) -> int:
-    cost = params.verify_cost + params.draft_cost[kind]
-    return HOPELESS_PROBE_FACTOR if rate(1.0, available, cost) < 1 + params.min_gain else 1
+    return HOPELESS_PROBE_FACTOR if rate(1.0, available, _cost(kind, params)) < 1 + params.min_gain else 1
 
 
 def choose(estimates: Mapping[DrafterKind, Acceptance], available: Mapping[DrafterKind, int],
            params: AdaptiveParams, order: Sequence[DrafterKind]) -> Choice:
-    """The rule of the module NOTE (no side effects). `available[d]` is the most tokens drafter d
-    can propose now (0: none), `order` the drafters cheapest first."""
+    """The rule of the module NOTE (no side effects). `available[d]` is how many tokens drafter d
+    would propose now (the engine's length, or fewer when it has no more; 0: none), `order` the
+    drafters cheapest first."""
     best = Choice(None, 0, 1.0)
     for kind in order:
-        if available.get(kind, 0) <= 0:
+        k = available.get(kind, 0)
+        if k <= 0:
             continue
-        k, r = best_length(estimates[kind].alpha, available[kind],
-                           params.verify_cost + params.draft_cost[kind])
+        r = rate(estimates[kind].alpha, k, _cost(kind, params))
         if r > best.rate:
             best = Choice(kind, k, r)
     if best.rate < 1 + params.min_gain:
@@ -132,9 +128,8 @@ def choose(estimates: Mapping[DrafterKind, Acceptance], available: Mapping[Draft
            and estimates[kind].idle >= params.probe_every * _probe_factor(kind, available[kind], params)]
     if due:
         kind = max(due, key=lambda d: estimates[d].idle)  # first of the longest idle
-        k = min(params.probe_tokens, available[kind])
-        cost = params.verify_cost + params.draft_cost[kind]
-        return Choice(kind, k, rate(estimates[kind].alpha, k, cost), probe=True)
+        k = available[kind]
+        return Choice(kind, k, rate(estimates[kind].alpha, k, _cost(kind, params)), probe=True)
     return best
 
 

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from kvmesh.config import ConfigError
 from kvmesh.services.draft.adaptive import AdaptiveParams
 from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.drafters import Drafter, DrafterKind, DrafterRegistry
+from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.ngram import NgramDrafter
 from kvmesh.services.draft.service import DraftService
 from kvmesh.services.draft.state import StateStore
+from kvmesh.threads import set_torch_threads
 
 if TYPE_CHECKING:
     from kvmesh.model.loader import LoadedModel
@@ -24,11 +25,9 @@ def load_draft_model(cfg: DraftConfig) -> LoadedModel | None:
     pool first: call it on the thread that will run the drafts (see the engine's threading NOTE)."""
     if cfg.draft_model is None:
         return None
-    import torch
-
     from kvmesh.model.loader import load_model, truncate_layers
 
-    torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
+    set_torch_threads(cfg.threads)
     loaded = load_model(cfg.draft_model, dtype=cfg.draft_dtype, device=cfg.device,
                         weights=cfg.draft_weights, progress=False)
     have = loaded.config.num_layers
@@ -48,8 +47,10 @@ def bundled_digest() -> str:
     return sha256_file(bundled_gguf_path())
 
 
-def build_service(cfg: DraftConfig, loaded: LoadedModel | None = None) -> DraftService:
-    """The service for `cfg`; `loaded` is the draft model (None: no model drafter)."""
+def build_service(cfg: DraftConfig, loaded: LoadedModel | None = None, *,
+                  metrics: DraftMetrics) -> DraftService:
+    """The service for `cfg`, counting into `metrics`; `loaded` is the draft model (None: no
+    model drafter)."""
     drafters: list[Drafter] = [NgramDrafter(cfg.ngram_min, cfg.ngram_max)]
     if loaded is not None:
         from kvmesh.model.attention import kv_bytes_per_block
@@ -71,7 +72,7 @@ def build_service(cfg: DraftConfig, loaded: LoadedModel | None = None) -> DraftS
     params = AdaptiveParams(
         draft_cost={DrafterKind.NGRAM: 0.0, DrafterKind.MODEL: cfg.model_cost},
         verify_cost=cfg.verify_cost, decay=cfg.acceptance_decay, min_gain=cfg.min_gain,
-        probe_every=cfg.probe_every, probe_tokens=cfg.probe_tokens)
+        probe_every=cfg.probe_every)
     return DraftService(registry, store, target_model=target, max_draft_tokens=cfg.max_draft_tokens,
-                        default_drafter=default, adaptive=params,
+                        default_drafter=default, adaptive=params, metrics=metrics,
                         vocab_size=loaded.config.vocab_size if loaded is not None else None)

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.limits import MAX_DRAFT_TOKENS
+from kvmesh.rpc.server import ServerSettings
 
 MiB = 1 << 20
 
@@ -14,10 +16,7 @@ class DraftConfig:
     """The draft service: proposes draft tokens for the engines' speculative decoding, from
     n-gram lookup in each sequence's history and from a draft model with its own KV."""
 
-    host: str = setting("127.0.0.1", "Address the gRPC server binds (loopback by default).")
-    port: int = setting(50091, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
-    metrics_port: int = setting(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.",
-                                min=-1, max=65535)
+    server: ServerSettings = ServerSettings(port=50091, grace_s=5.0)
     draft_model: Optional[str] = setting(
         "bundled", "Model of the model drafter: 'bundled' (SmolLM2-135M-Instruct), a .gguf path or "
                    "an HF folder; 'none' = no model drafter (n-gram and adaptive over n-gram only).")
@@ -35,7 +34,8 @@ class DraftConfig:
             "model's digest, or the bundled model's when there is no draft model.")
     default_drafter: str = setting("adaptive", "Drafter for requests that leave it unspecified.",
                                    choices=("ngram", "model", "adaptive"))
-    max_draft_tokens: int = setting(16, "Largest max_draft_tokens a request may ask for.",
+    max_draft_tokens: int = setting(MAX_DRAFT_TOKENS, "Largest max_draft_tokens a request may ask "
+                                    "for; the default is the most an engine can ask for.",
                                     min=1, max=256)
     max_sequences: int = setting(
         4096, "Sequences the service keeps state for; beyond it the least recently used is "
@@ -73,10 +73,6 @@ class DraftConfig:
               "decoding by this fraction.", min=0.0)
     probe_every: int = setting(
         16, "Adaptive: a drafter unused for this many steps of a sequence is tried again.", min=1)
-    probe_tokens: int = setting(2, "Adaptive: drafts of such a probe.", min=1)
-    grace_s: float = setting(5.0, "Seconds in-flight calls get to finish on SIGTERM.", min=0.0)
-    otlp_endpoint: Optional[str] = setting(
-        None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
 
     def validate(self) -> None:
         if self.ngram_min > self.ngram_max:

@@ -40,10 +40,6 @@ class Proposal:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
 
-    def truncated(self, n: int) -> Proposal:
-        """The first `n` tokens of this proposal."""
-        return Proposal(self.token_ids[:n], self.logprobs[:n])
-
 
 class Drafter(Protocol):
     """A strategy that proposes draft tokens for a batch of sequences."""

@@ -14,15 +14,13 @@ nothing.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument
-from kvmesh.services.draft import metrics
+from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.adaptive import AdaptiveParams, AdaptiveState
 from kvmesh.services.draft.drafters import DraftJob, DrafterKind, DrafterRegistry, Proposal
 from kvmesh.services.draft.state import LastProposal, SequenceState, StateStore
@@ -78,7 +76,7 @@ class DraftService:
 
     def __init__(self, registry: DrafterRegistry, store: StateStore, *, target_model: str,
                  max_draft_tokens: int, default_drafter: DrafterKind, adaptive: AdaptiveParams,
-                 vocab_size: int | None = None) -> None:
+                 metrics: DraftMetrics, vocab_size: int | None = None) -> None:
         if default_drafter is not DrafterKind.ADAPTIVE and default_drafter not in registry:
             raise ValueError(f"default drafter {default_drafter.value} is not registered")
         self.registry, self.store = registry, store
@@ -87,13 +85,12 @@ class DraftService:
         self.default_drafter = default_drafter
         self.adaptive = adaptive
         self.vocab_size = vocab_size
+        self.metrics = metrics
         self.offered = (*registry.kinds, DrafterKind.ADAPTIVE)
         self._planners: dict[DrafterKind, Callable[[SequenceState, int], _Plan]] = {
             kind: (lambda state, budget, kind=kind: _Plan(kind, budget)) for kind in registry.kinds}
         self._planners[DrafterKind.ADAPTIVE] = self._plan_adaptive
         self._lock = threading.Lock()
-        self._model_position_s: float | None = None  # measured, see _run
-        self._call_params = adaptive                 # this call's prices, see propose
 
     def info(self) -> DraftInfo:
         model = self.registry[DrafterKind.MODEL].describe() if DrafterKind.MODEL in self.registry else ""
@@ -103,32 +100,29 @@ class DraftService:
         """Drops these sequences' state now; returns how many had some."""
         with self._lock:
             released = self.store.release(sequence_ids)
-            metrics.SEQUENCES.set(len(self.store))
+            self.metrics.sequences.set(len(self.store))
             return released
 
     def sweep(self) -> int:
         """Drops the states idle past the TTL; returns how many."""
         with self._lock:
             dropped = self.store.sweep()
-            metrics.SEQUENCES.set(len(self.store))
+            self.metrics.sequences.set(len(self.store))
             return dropped
 
-    def propose(self, requests: Sequence[SequenceRequest], target_model: str = "",
-                target_step_s: float | None = None) -> list[SequenceDraft]:
-        """Drafts for every sequence of one call, in order (see the module NOTE). With the
-        engine's `target_step_s`, model drafts are priced at this service's measured seconds per
-        model-draft position over it, rather than the configured `model_cost`."""
+    def propose(self, requests: Sequence[SequenceRequest], target_model: str = "") -> list[SequenceDraft]:
+        """Drafts for every sequence of one call, in order (see the module NOTE): each of up to
+        its `max_draft_tokens`, fewer only when the drafter has no more."""
         start = time.perf_counter()
         self._validate(requests, target_model)
         with self._lock:
-            self._call_params = self._priced(target_step_s)
             answers: list[SequenceDraft | None] = [None] * len(requests)
             plans: dict[int, tuple[SequenceState, DrafterKind, _Plan]] = {}
             for i, req in enumerate(requests):
                 kind = req.drafter or self.default_drafter
                 state = self._ingest(req)
                 if state is None:
-                    metrics.RESYNCS.inc()
+                    self.metrics.resyncs.inc()
                     answers[i] = SequenceDraft(req.sequence_id, [], [], kind, needs_resync=True)
                     continue
                 self._score(state, req.last_accepted)
@@ -144,10 +138,10 @@ class DraftService:
                                            proposal.logprobs, drafter)
                 proposed = len(proposal.token_ids)
                 state.last_proposal = LastProposal(drafter, proposed) if proposed else None
-                metrics.PROPOSALS.labels(drafter.value).inc()
-                metrics.PROPOSED_TOKENS.labels(drafter.value).inc(proposed)
-            metrics.SEQUENCES.set(len(self.store))
-        metrics.PROPOSE_SECONDS.observe(time.perf_counter() - start)
+                self.metrics.proposals.labels(drafter.value).inc()
+                self.metrics.proposed_tokens.labels(drafter.value).inc(proposed)
+            self.metrics.sequences.set(len(self.store))
+        self.metrics.propose_seconds.observe(time.perf_counter() - start)
         return answers  # type: ignore[return-value]  # every entry is set above
 
     def _run(self, plans: dict[int, tuple[SequenceState, _Plan]]) -> dict[int, Proposal]:
@@ -157,27 +151,14 @@ class DraftService:
             batch = [(i, DraftJob(state, plan.tokens)) for i, (state, plan) in plans.items()
                      if plan.drafter is kind and plan.ready is None]
             if batch:
-                started = time.perf_counter()
                 drafted = self.registry[kind].propose([job for _, job in batch])
                 out.update((i, proposal) for (i, _), proposal in zip(batch, drafted))
-                positions = max(len(p.token_ids) for p in drafted)
-                if kind is DrafterKind.MODEL and positions:
-                    # one batched forward per drafted position (plus any catch-up of new tokens)
-                    seconds = (time.perf_counter() - started) / positions
-                    self._model_position_s = (seconds if self._model_position_s is None
-                                              else 0.7 * self._model_position_s + 0.3 * seconds)
         return out
 
-    def _priced(self, target_step_s: float | None) -> AdaptiveParams:
-        """The adaptive parameters with the model drafter priced from measurements when both
-        its time per draft position and the engine's step time are known."""
-        if not target_step_s or self._model_position_s is None or DrafterKind.MODEL not in self.registry:
-            return self.adaptive
-        cost = dict(self.adaptive.draft_cost)
-        cost[DrafterKind.MODEL] = self._model_position_s / target_step_s
-        return dataclasses.replace(self.adaptive, draft_cost=cost)
-
     def _plan_adaptive(self, state: SequenceState, budget: int) -> _Plan:
+        """The drafter that pays for this sequence (adaptive.choose), drafting `budget` tokens:
+        the model all of them, the n-gram lookup what it matched (already drafted here, to
+        know how many)."""
         estimates = state.slots.get(ADAPTIVE_SLOT)
         if estimates is None:
             estimates = state.slots[ADAPTIVE_SLOT] = AdaptiveState.fresh(self.adaptive, self.registry.kinds)
@@ -186,9 +167,9 @@ class DraftService:
         if DrafterKind.NGRAM in self.registry:
             [ngram] = self.registry[DrafterKind.NGRAM].propose([DraftJob(state, budget)])
             available[DrafterKind.NGRAM] = len(ngram.token_ids)
-        choice = estimates.decide(available, self._call_params, self.registry.kinds)
+        choice = estimates.decide(available, self.adaptive, self.registry.kinds)
         if choice.drafter is DrafterKind.NGRAM and ngram is not None:
-            return _Plan(choice.drafter, choice.tokens, ngram.truncated(choice.tokens))
+            return _Plan(choice.drafter, choice.tokens, ngram)
         return _Plan(choice.drafter, choice.tokens)
 
     def _score(self, state: SequenceState, last_accepted: int | None) -> None:
@@ -197,10 +178,10 @@ class DraftService:
         if last is None or last_accepted is None:
             return
         accepted = min(last_accepted, last.tokens)
-        metrics.ACCEPTED_TOKENS.labels(last.drafter.value).inc(accepted)
+        self.metrics.accepted_tokens.labels(last.drafter.value).inc(accepted)
         estimates = state.slots.get(ADAPTIVE_SLOT)
         if estimates is not None:
-            estimates.observe(last.drafter, last.tokens, accepted, self._call_params)
+            estimates.observe(last.drafter, last.tokens, accepted, self.adaptive)
 
     def _ingest(self, req: SequenceRequest) -> SequenceState | None:
         """The sequence's state with the new tokens committed, or None when it needs a resync."""

@@ -85,9 +85,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         sequences = [to_request(msg) for msg in request.sequences]
-        step_s = request.target_step_s if request.HasField("target_step_s") else None
-        drafts = await self._run(self.service.propose, sequences, request.target_model, step_s,
-                                 context=context)
+        drafts = await self._run(self.service.propose, sequences, request.target_model, context=context)
         span = trace.get_current_span()
         span.set_attribute("kvmesh.draft.sequences", len(drafts))
         span.set_attribute("kvmesh.draft.proposed_tokens", sum(len(d.token_ids) for d in drafts))

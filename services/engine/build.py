@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import logging
-import os
+import time
+from typing import Callable
 
 import torch
 
 from kvmesh.config import ConfigError
+from kvmesh.threads import set_torch_threads
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.namespace import KvLayout, KvNamespace
+from kvmesh.kv.namespace_proto import dtype_to_proto, namespace_to_proto
 from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.model.native import paged_decode_kernel
@@ -21,22 +24,17 @@ from kvmesh.services.engine.draft_client import DraftClient, DraftClientConfig
 from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
 from kvmesh.services.engine.scheduler import SchedulerConfig
+from kvmesh.services.engine.servicer import weight_format_to_proto
 from kvmesh.services.engine.speculation import SpecMode
 from kvmesh.services.engine.speculator import SpecConfig
 
 log = logging.getLogger(__name__)
 
 
-def set_threads(threads: int) -> int:
-    """Sizes torch's intra-op pool; 0 means every core this process may use."""
-    n = threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(n)
-    return n
-
-
-def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
+def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
+               clock: Callable[[], float] = time.monotonic) -> EngineCore:
     """Loads the model (unless given), cuts it to `cfg.num_layers` and builds a ready EngineCore
-    sized by `cfg`."""
+    sized by `cfg`. `clock` times the draft client's back-off (tests pass a fake one)."""
     if loaded is None:
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weight_format)
     loaded = serve_layers(loaded, cfg)
@@ -51,7 +49,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, namespace=engine_namespace(loaded),
-                      enable_prefix_caching=cfg.enable_prefix_caching, kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded),
+                      enable_prefix_caching=cfg.enable_prefix_caching, kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded, clock),
                       spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens,
                                       cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
                       blend=BlendConfig(cfg.blend_recompute_ratio,
@@ -59,12 +57,13 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineCo
                                         cfg.blend_selection))
 
 
-def build_draft_client(cfg: EngineConfig, loaded: LoadedModel) -> DraftClient | None:
+def build_draft_client(cfg: EngineConfig, loaded: LoadedModel,
+                       clock: Callable[[], float] = time.monotonic) -> DraftClient | None:
     """The draft service link when `cfg.draft_address` is set."""
     if not cfg.draft_address:
         return None
     client = DraftClient(DraftClientConfig(cfg.draft_address, cfg.draft_timeout_s, cfg.draft_retry_s),
-                         target_model=loaded.weights_digest, vocab_size=loaded.config.vocab_size)
+                         target_model=loaded.weights_digest, vocab_size=loaded.config.vocab_size, clock=clock)
     log.info("draft service %s: speculation %s by default, up to %d drafts per step, %.0f ms deadline "
              "(engine instance %s)", cfg.draft_address, cfg.speculation, cfg.spec_max_draft_tokens,
              cfg.draft_timeout_s * 1000, client.instance_id)
@@ -119,18 +118,17 @@ def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoRe
     return engine_pb2.GetModelInfoResponse(
         model=cfg.served_name, weights_digest=core.loaded.weights_digest,
         max_model_len=core.sched_config.max_model_len, vocab_size=mc.vocab_size,
-        dtype=cfg.dtype, weights=cfg.weight_format, block_size=core.runner.block_size,
-        num_blocks=core.runner.num_blocks, eos_token_ids=list(mc.eos_token_ids),
-        device=str(core.runner.device), num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        kv_identity=core.loaded.identity, kv_layout=kv_layout(core.loaded).describe())
+        dtype=dtype_to_proto(cfg.dtype), weights=weight_format_to_proto(cfg.weight_format),
+        block_size=core.runner.block_size, num_blocks=core.runner.num_blocks,
+        eos_token_ids=list(mc.eos_token_ids), device=str(core.runner.device),
+        kv_namespace=namespace_to_proto(core.request_namespace()))
 
 
 def build_async_engine(cfg: EngineConfig) -> AsyncEngine:
     """Everything but the gRPC server. The model is loaded on the engine's step-loop thread, which
     sizes its own torch thread pool (see the threading NOTE in async_engine)."""
     def build() -> EngineCore:
-        threads = set_threads(cfg.threads)
+        threads = set_torch_threads(cfg.threads)
         log.info("torch threads: %d", threads)
         return build_core(cfg)
 

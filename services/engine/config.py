@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.limits import MAX_DRAFT_TOKENS
+from kvmesh.rpc.server import ServerSettings
 
 MiB = 1 << 20
 
@@ -13,9 +15,7 @@ MiB = 1 << 20
 class EngineConfig:
     """Everything the engine service needs to start; see `kvmesh-engine --help`."""
 
-    host: str = setting("127.0.0.1", "Address the gRPC server binds (loopback by default).")
-    port: int = setting(50061, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
-    metrics_port: int = setting(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.", min=-1, max=65535)
+    server: ServerSettings = ServerSettings(port=50061)
     model: str = setting("bundled", "Model source: 'bundled' (SmolLM2-135M-Instruct GGUF), a .gguf path, or a Hugging Face checkpoint folder.")
     served_name: str = setting("smollm2-135m-instruct", "Model name reported to clients.")
     dtype: str = setting("float32", "Compute dtype.", choices=("float32", "bfloat16"))
@@ -43,16 +43,14 @@ class EngineConfig:
     kv_hot_bytes: int = setting(512 * MiB, "Byte budget of the engine's LRU of decoded document chunks fetched from the KV-cache service (reused by later prompts that cite the same documents without a fetch); 0 = off.", min=0)
     draft_address: Optional[str] = setting(None, "host:port of the draft service (kvmesh.draft.v1) for speculative decoding; unset = no speculation, whatever a request asks.")
     speculation: str = setting("adaptive", "Speculative decoding for requests that leave GenerateRequest.speculation unspecified: off, ngram (prompt lookup), model (the service's draft model) or adaptive (the service picks drafter and length, and the engine lets it draft only while drafting steps are measured faster). Takes effect only with --draft-address; outputs are the same as without (greedy: identical tokens; sampled: the same distribution).", choices=("off", "ngram", "model", "adaptive"))
-    spec_max_draft_tokens: int = setting(7, "Most draft tokens verified per sequence and step (k), given while the step's decode rows (a token plus its drafts per speculating sequence) stay within --spec-step-rows; each costs one extra token of the step's budget and KV slot while it is verified.", min=1, max=16)
-    spec_batch_draft_tokens: int = setting(0, "Draft tokens per sequence at least, even past --spec-step-rows (0: steps whose speculating sequences cannot each get a draft within --spec-step-rows verify none; raise it where batched verification is cheap, e.g. on a GPU).", min=0, max=16)
+    spec_max_draft_tokens: int = setting(7, "Most draft tokens verified per sequence and step (k), given while the step's decode rows (a token plus its drafts per speculating sequence) stay within --spec-step-rows; each costs one extra token of the step's budget and KV slot while it is verified.", min=1, max=MAX_DRAFT_TOKENS)
+    spec_batch_draft_tokens: int = setting(0, "Draft tokens per sequence at least, even past --spec-step-rows (0: steps whose speculating sequences cannot each get a draft within --spec-step-rows verify none; raise it where batched verification is cheap, e.g. on a GPU).", min=0, max=MAX_DRAFT_TOKENS)
     spec_step_rows: int = setting(8, "Decode rows a step may fill with full-length drafts: up to 8, fp32 CPU steps stream the weights once for all rows (kvmesh.model.native); beyond, every extra row costs more.", min=1, max=256)
     draft_timeout_s: float = setting(0.1, "Deadline of one Propose call (all speculating sequences of a step); a late or failed call means plain decoding for that step.", min=0.001)
     draft_retry_s: float = setting(2.0, "After a failed Propose call, decode without drafts for this long before calling the draft service again.", min=0.0)
     blend_recompute_ratio: float = setting(0.15, "Prompts with documents: share of the reused document tokens whose KV is recomputed with the new context (0 = pure reuse, 1 = full prefill); a request's blend.recompute_ratio overrides it.", min=0.0, max=1.0)
     blend_select_layers: int = setting(2, "Leading layers run over every prompt token to choose the tokens to recompute (1..layers-1; capped at layers-1 for shallower models).", min=1)
     blend_selection: str = setting("deviation+attention", "How blending picks the tokens to recompute: by KV deviation alone (CacheBlend), or by deviation plus the attention the prompt's last tokens pay them.", choices=("deviation", "deviation+attention"))
-    grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
-    otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
 
     def validate(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):

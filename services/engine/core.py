@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.namespace import KvNamespace
 from kvmesh.model.loader import LoadedModel
 from kvmesh.model.tokenizer import IncrementalDetokenizer
@@ -95,6 +96,14 @@ class EngineCore:
     def spec_totals(self) -> SpecUsage:
         """Speculative decoding counters over every request since start."""
         return self.speculator.totals if self.speculator is not None else SpecUsage()
+
+    def request_namespace(self, tenant_salt: str = "", spec: Optional[CodecSpec] = None) -> KvNamespace:
+        """The KV namespace of a request of this tenant that stores with `spec` (None: the
+        deployment's codec; exact without a KV service): the engine's own, derived."""
+        ns = self.namespace.for_tenant(tenant_salt)
+        if self.kv is None:
+            return ns
+        return ns.with_storage((spec or self.kv.config.codec).storage(self.loaded.dtype))
 
     # ---- admission -------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from kvmesh.kv.blend import BlendPrefill, Segment
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.keys import document_chunks
 from kvmesh.kv.namespace import KvNamespace
+from kvmesh.limits import MAX_RETRIEVE_K
 from kvmesh.prompt_parts import CatalogDocument, InlineDocument, Part, Retrieval, Tokens
 
 if TYPE_CHECKING:
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_RETRIEVE = 16
 
 
 def check_parts(parts: list[Part]) -> None:
@@ -61,8 +61,8 @@ def check_parts(parts: list[Part]) -> None:
         if isinstance(p, Retrieval):
             if not p.query.strip():
                 raise InvalidArgument(f"prompt part {i} (retrieve) has an empty query; send the question to search with")
-            if not 1 <= p.k <= MAX_RETRIEVE:
-                raise InvalidArgument(f"prompt part {i} (retrieve): k must be 1..{MAX_RETRIEVE}, got {p.k}")
+            if not 1 <= p.k <= MAX_RETRIEVE_K:
+                raise InvalidArgument(f"prompt part {i} (retrieve): k must be 1..{MAX_RETRIEVE_K}, got {p.k}")
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class ResolvedPrompt:
 
 
 async def resolve(parts: list[Part], kv: Optional[KvConnector], namespace: KvNamespace) -> ResolvedPrompt:
-    """Token ids of the prompt and where its documents sit. `kv` is needed for catalogued
-    documents and retrieval (FailedPrecondition without it)."""
-    check_parts(parts)
+    """Token ids of the prompt (its parts passed `check_parts` at the edge) and where its
+    documents sit. `kv` is needed for catalogued documents and retrieval (FailedPrecondition
+    without it)."""
     ids: list[int] = []
     spans: list[DocumentSpan] = []
     used: list[str] = []

@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import grpc
@@ -130,8 +130,6 @@ class DraftClient:
         self._offered: Optional[frozenset[int]] = None  # drafters of the service, once known
         self._unoffered_logged: set[SpecMode] = set()
         self._info = self._ask_info()
-        self._step_s: Optional[float] = None  # see observe_step
-        self._plain_step_s: Optional[float] = None
 
     def sequence_id(self, request_id: str) -> str:
         return f"{self.instance_id}/{request_id}"
@@ -150,9 +148,6 @@ class DraftClient:
         if not queries:
             return {}
         request = draft_pb2.ProposeRequest(target_model=self.target_model)
-        step_s = self._plain_step_s or self._step_s
-        if step_s is not None:
-            request.target_step_s = step_s
         for q in queries:
             state = self._seqs.setdefault(q.seq.request_id, _SeqState())
             n = q.seq.num_tokens
@@ -194,15 +189,6 @@ class DraftClient:
             if tokens:
                 drafts[q.seq] = tokens
         return drafts
-
-    def observe_step(self, seconds: float, *, verified: bool) -> None:
-        """Records one engine step's compute time (forward + sampling), for `target_step_s`:
-        an exponential average over steps that verified no drafts (the plain step the adaptive
-        policy compares with) and one over all steps (used until a plain step was seen)."""
-        self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
-        if not verified:
-            self._plain_step_s = (seconds if self._plain_step_s is None
-                                  else 0.8 * self._plain_step_s + 0.2 * seconds)
 
     def accepted(self, request_id: str, num_accepted: int) -> None:
         """Records how many drafts the request accepted at its last verification (sent with

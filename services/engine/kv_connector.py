@@ -40,6 +40,7 @@ from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.model.llama import RotaryEmbedding
 from kvmesh.services.engine.hot_chunks import HotChunks
 from kvmesh.services.engine.kvcache_client import KvcacheClient, KvcacheWriter
+from kvmesh.threads import set_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ConnectorStats:
 
 
 def _single_thread_torch() -> None:
-    torch.set_num_threads(1)
+    set_torch_threads(1)
 
 
 class KvConnector:
@@ -301,7 +302,7 @@ class KvConnector:
                 job.on_done(False)
 
     def _export_loop(self) -> None:
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         writer = KvcacheWriter(self.config.address)  # each Put a CLIENT span under its request
         chunk = self.config.chunk_tokens
         while (job := self._exports.get()) is not None:

@@ -17,6 +17,7 @@ import grpc
 from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from kvmesh.kv import transfer
 from kvmesh.kv.namespace import KvNamespace
+from kvmesh.kv.namespace_proto import namespace_to_proto
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
 from kvmesh.rpc.client import make_channel, make_sync_channel
@@ -59,10 +60,6 @@ class NewDocument:
     pinned: bool = False
 
 
-def _namespace_bytes(namespace: KvNamespace) -> bytes:
-    return namespace.digest()
-
-
 def describe(err: BaseException) -> str:
     """A one-line reason for a failed call (status and details, or the exception's type)."""
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
@@ -79,10 +76,16 @@ class KvcacheClient:
         self.timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
 
-    def _stub(self) -> kvcache_pb2_grpc.KvcacheServiceStub:
+    def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
             self._channel = make_channel(self.address, default_timeout_s=self.timeout_s)
-        return kvcache_pb2_grpc.KvcacheServiceStub(self._channel)
+        return self._channel
+
+    def _stub(self) -> kvcache_pb2_grpc.KvcacheServiceStub:
+        return kvcache_pb2_grpc.KvcacheServiceStub(self._open())
+
+    def _catalog(self) -> kvcache_pb2_grpc.KvCatalogServiceStub:
+        return kvcache_pb2_grpc.KvCatalogServiceStub(self._open())
 
     def _unavailable(self, err: BaseException) -> Unavailable:
         return Unavailable(f"KV-cache service {self.address}: {describe(err)}")
@@ -99,7 +102,7 @@ class KvcacheClient:
                                               timeout=self.timeout_s)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
             raise self._unavailable(err) from err
-        return Lookup([t != pb.TIER_NONE for t in found.tiers], found.prefix_chunks)
+        return Lookup([t != pb.TIER_UNSPECIFIED for t in found.tiers], found.prefix_chunks)
 
     async def get(self, keys: list[bytes]) -> AsyncIterator[bytes | None]:
         """Each key's blob in order, None where the service lacks it or it arrived damaged
@@ -135,8 +138,8 @@ class KvcacheClient:
 
     async def get_document(self, namespace: KvNamespace, document_id: str) -> CatalogEntry:
         try:
-            resp = await self._stub().GetDocument(
-                pb.GetDocumentRequest(namespace=_namespace_bytes(namespace), document_id=document_id),
+            resp = await self._catalog().GetDocument(
+                pb.GetDocumentRequest(namespace=namespace_to_proto(namespace), document_id=document_id),
                 timeout=self.timeout_s)
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.NOT_FOUND:
@@ -147,20 +150,20 @@ class KvcacheClient:
 
     async def search_documents(self, namespace: KvNamespace, query: str, k: int) -> list[str]:
         try:
-            resp = await self._stub().Search(pb.SearchRequest(text=query, namespace=_namespace_bytes(namespace),
-                                                              kind=pb.INDEX_KIND_DOCUMENT, k=k),
-                                             timeout=self.timeout_s)
+            resp = await self._catalog().Search(pb.SearchRequest(text=query, namespace=namespace_to_proto(namespace),
+                                                                 kind=pb.INDEX_KIND_DOCUMENT, k=k),
+                                                timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise self._unavailable(err) from err
         return [h.document_id for h in resp.hits]
 
     async def put_document(self, doc: NewDocument) -> None:
         request = pb.PutDocumentRequest(
-            namespace=_namespace_bytes(doc.namespace), document_id=doc.document_id, metadata=doc.metadata,
+            namespace=namespace_to_proto(doc.namespace), document_id=doc.document_id, metadata=doc.metadata,
             text=doc.text, token_ids=doc.token_ids, chunk_keys=doc.chunk_keys, ttl_s=doc.ttl_s,
             pinned=doc.pinned)
         try:
-            await self._stub().PutDocument(request, timeout=max(self.timeout_s, EXPORT_TIMEOUT_S))
+            await self._catalog().PutDocument(request, timeout=max(self.timeout_s, EXPORT_TIMEOUT_S))
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(err.details()) from err
@@ -181,10 +184,10 @@ class KvcacheWriter:
         self._stub = kvcache_pb2_grpc.KvcacheServiceStub(self._channel)
 
     def put(self, key: bytes, blob: bytes, namespace: KvNamespace) -> None:
-        """Stores one blob written for `namespace`; Unavailable when the service refuses or is down."""
-        del namespace  # the blob's header names it; the service checks the two agree
+        """Stores one blob encoded for `namespace` (the service refuses a blob whose header names
+        another); Unavailable when the service refuses or is down."""
         try:
-            self._stub.Put(transfer.put_requests(key, blob), timeout=EXPORT_TIMEOUT_S)
+            self._stub.Put(transfer.put_requests(key, blob, namespace), timeout=EXPORT_TIMEOUT_S)
         except grpc.RpcError as err:
             raise Unavailable(f"KV-cache service {self.address}: {describe(err)}") from err
 

@@ -3,8 +3,9 @@ has the table). Two sources:
 
 - the step loop's hook (`StepMetrics`, AsyncEngine.on_step): gauges of the batch, token counters
   and latency histograms from each step's outputs;
-- collectors read at scrape time (`instrument` registers them): counters the core, its block
-  manager, its KV-service link and its draft-service link keep anyway, so nothing is counted twice.
+- collectors read at scrape time (`EngineMetrics.instrument` registers them): counters the core,
+  its block manager, its KV-service link and its draft-service link keep anyway, so nothing is
+  counted twice.
 
 Requests aborted by a client are finished by `EngineCore.abort`, outside any step, so they reach
 neither the hook nor `request_success`; their generated tokens were counted as they came.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from kvmesh.metrics import metric_name
@@ -29,41 +30,94 @@ def _name(name: str) -> str:
     return metric_name("engine", name)
 
 
-RUNNING = Gauge(_name("num_requests_running"), "Requests in the running batch.")
-WAITING = Gauge(_name("num_requests_waiting"), "Requests waiting to be scheduled.")
-KV_USAGE = Gauge(_name("kv_cache_usage_perc"), "Fraction of paged-KV blocks in use (0-1).")
-PROMPT_TOKENS = Counter(_name("prompt_tokens"), "Prompt tokens of finished requests.")
-GEN_TOKENS = Counter(_name("generation_tokens"), "Generated tokens, counted as they are emitted.")
-CACHED_PROMPT_TOKENS = Counter(
-    _name("cached_prompt_tokens"),
-    "Prompt tokens of finished requests that were not computed: reused from the prefix cache, "
-    "imported from the KV-cache service or blended in (usage.cached_prompt_tokens).")
-REQUESTS = Counter(_name("request_success"), "Finished requests by finish reason.", ["finished_reason"])
-for _reason in ("stop", "length", "stop_string"):
-    REQUESTS.labels(_reason)  # exported from the start at 0, so rate() sees the first request
-REQUEST_PROMPT_TOKENS = Histogram(_name("request_prompt_tokens"), "Prompt tokens per finished request.",
-                                  buckets=_TOKENS)
-REQUEST_GEN_TOKENS = Histogram(_name("request_generation_tokens"),
-                               "Generated tokens per finished request.", buckets=_TOKENS)
-TTFT = Histogram(_name("time_to_first_token_seconds"), "Arrival to the first generated token.",
-                 buckets=_LAT)
-ITL = Histogram(_name("inter_token_latency_seconds"),
-                "Time between two steps that emitted tokens for one request (one observation per "
-                "request and step; a step that accepted drafts emits several tokens).", buckets=_ITL)
-TPOT = Histogram(_name("request_time_per_output_token_seconds"),
-                 "Per finished request with 2+ tokens: first token to finish, over tokens after the first.",
-                 buckets=_ITL)
-E2E = Histogram(_name("e2e_request_latency_seconds"), "Arrival to finish.", buckets=_LAT)
-STEP = Histogram(_name("step_seconds"), "Duration of one engine step.", buckets=_LAT)
-PROPOSE = Histogram(_name("spec_propose_seconds"),
-                    "Duration of one Propose call to the draft service (failed ones included).",
-                    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-BLEND_PROMPTS = Counter(_name("blend_prompts"),
-                        "Finished requests whose prompt blended in cached document KV.")
-BLEND_TOKENS = Counter(_name("blend_tokens"),
-                       "Prompt tokens whose KV came from cached documents (blended_tokens).")
-BLEND_RECOMPUTED = Counter(_name("blend_recomputed_tokens"),
-                           "Blended tokens recomputed to restore cross-attention (recomputed_tokens).")
+class EngineMetrics:
+    """The engine's own counters, gauges and histograms, registered in its registry (one set per
+    registry); `instrument` publishes an engine through them."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def gauge(name: str, text: str) -> Gauge:
+            return Gauge(_name(name), text, registry=registry)
+
+        def counter(name: str, text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(_name(name), text, labels, registry=registry)
+
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(_name(name), text, buckets=buckets, registry=registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of paged-KV blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.gen_tokens = counter("generation_tokens",
+                                  "Generated tokens, counted as they are emitted.")
+        self.cached_prompt_tokens = counter(
+            "cached_prompt_tokens",
+            "Prompt tokens of finished requests that were not computed: reused from the prefix "
+            "cache, imported from the KV-cache service or blended in (usage.cached_prompt_tokens).")
+        self.requests = counter("request_success", "Finished requests by finish reason.",
+                                ("finished_reason",))
+        for reason in ("stop", "length", "stop_string"):
+            self.requests.labels(reason)  # exported from the start at 0, so rate() sees the first
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", _TOKENS)
+        self.request_gen_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", _TOKENS)
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Arrival to the first generated token.", _LAT)
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between two steps that emitted tokens for one request (one observation per "
+            "request and step; a step that accepted drafts emits several tokens).", _ITL)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per finished request with 2+ tokens: first token to finish, over tokens after the "
+            "first.", _ITL)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LAT)
+        self.step = histogram("step_seconds", "Duration of one engine step.", _LAT)
+        self.propose = histogram(
+            "spec_propose_seconds",
+            "Duration of one Propose call to the draft service (failed ones included).",
+            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+        self.blend_prompts = counter(
+            "blend_prompts", "Finished requests whose prompt blended in cached document KV.")
+        self.blend_tokens = counter(
+            "blend_tokens", "Prompt tokens whose KV came from cached documents (blended_tokens).")
+        self.blend_recomputed = counter(
+            "blend_recomputed_tokens",
+            "Blended tokens recomputed to restore cross-attention (recomputed_tokens).")
+
+    def instrument(self, engine: AsyncEngine) -> CoreCollector:
+        """Publishes one engine's metrics: installs the step hook, times every Propose call, and
+        registers (and returns) its core's collector in the registry (one engine at a time:
+        unregister the collector before instrumenting the next)."""
+        core = engine.core
+        engine.on_step = StepMetrics(self)
+        engine.on_abort = engine.on_step.aborted
+        if core.drafts is not None:
+            core.drafts.on_propose = self.propose.observe
+        collector = CoreCollector(core)
+        self.registry.register(collector)
+        return collector
+
+    def record_finished(self, out: RequestOutput) -> None:
+        """A request that finished in a step, with its usage."""
+        usage = out.usage
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        self.requests.labels(out.finish_reason).inc()
+        self.request_prompt_tokens.observe(usage.prompt_tokens)
+        self.request_gen_tokens.observe(usage.completion_tokens)
+        self.ttft.observe(out.ttft_s)
+        self.e2e.observe(out.e2e_s)
+        if usage.completion_tokens > 1:
+            self.tpot.observe((out.e2e_s - out.ttft_s) / (usage.completion_tokens - 1))
+        docs = out.documents
+        if docs is not None and docs.blended_tokens:
+            self.blend_prompts.inc()
+            self.blend_tokens.inc(docs.blended_tokens)
+            self.blend_recomputed.inc(docs.recomputed_tokens)
 
 
 class StepMetrics:
@@ -73,56 +127,39 @@ class StepMetrics:
     requests that end outside a step (aborts) are dropped from it at the next step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
         self._last_emit: dict[str, float] = {}
 
     def __call__(self, core: EngineCore, outputs: list[RequestOutput], seconds: float) -> None:
+        m = self.metrics
         now = time.monotonic()
-        STEP.observe(seconds)
-        RUNNING.set(core.scheduler.num_running)
-        WAITING.set(core.scheduler.num_waiting)
-        KV_USAGE.set(core.block_manager.usage)
+        m.step.observe(seconds)
+        m.running.set(core.scheduler.num_running)
+        m.waiting.set(core.scheduler.num_waiting)
+        m.kv_usage.set(core.block_manager.usage)
         for out in outputs:
             if out.token_ids:
-                GEN_TOKENS.inc(len(out.token_ids))
+                m.gen_tokens.inc(len(out.token_ids))
                 last = self._last_emit.get(out.request_id)
                 if last is not None:
-                    ITL.observe(now - last)
+                    m.itl.observe(now - last)
                 self._last_emit[out.request_id] = now
             if out.finished:
                 self._last_emit.pop(out.request_id, None)
                 if out.usage is not None:
-                    _record_finished(out)
+                    m.record_finished(out)
         if len(self._last_emit) > core.scheduler.num_running + core.scheduler.num_waiting:
             live = set(core.request_ids())
             self._last_emit = {rid: t for rid, t in self._last_emit.items() if rid in live}
-
 
     def aborted(self, out: RequestOutput) -> None:
         """A request aborted between steps (client gone, deadline): `request_success{abort}` and
         its prompt tokens, as vLLM counts aborted requests."""
         self._last_emit.pop(out.request_id, None)
         if out.usage is not None:
-            PROMPT_TOKENS.inc(out.usage.prompt_tokens)
-            REQUESTS.labels(out.finish_reason).inc()
-
-
-def _record_finished(out: RequestOutput) -> None:
-    usage = out.usage
-    PROMPT_TOKENS.inc(usage.prompt_tokens)
-    CACHED_PROMPT_TOKENS.inc(usage.cached_prompt_tokens)
-    REQUESTS.labels(out.finish_reason).inc()
-    REQUEST_PROMPT_TOKENS.observe(usage.prompt_tokens)
-    REQUEST_GEN_TOKENS.observe(usage.completion_tokens)
-    TTFT.observe(out.ttft_s)
-    E2E.observe(out.e2e_s)
-    if usage.completion_tokens > 1:
-        TPOT.observe((out.e2e_s - out.ttft_s) / (usage.completion_tokens - 1))
-    docs = out.documents
-    if docs is not None and docs.blended_tokens:
-        BLEND_PROMPTS.inc()
-        BLEND_TOKENS.inc(docs.blended_tokens)
-        BLEND_RECOMPUTED.inc(docs.recomputed_tokens)
+            self.metrics.prompt_tokens.inc(out.usage.prompt_tokens)
+            self.metrics.requests.labels(out.finish_reason).inc()
 
 
 _KV_HELP = {
@@ -175,16 +212,3 @@ class CoreCollector:
 def _counters(*rows: tuple[str, str, int]):
     for name, help_text, value in rows:
         yield CounterMetricFamily(_name(name), help_text, value=value)
-
-
-def instrument(engine: AsyncEngine, registry: CollectorRegistry = REGISTRY) -> CoreCollector:
-    """Publishes one engine's metrics: installs the step hook, times every Propose call, and
-    registers (and returns) its core's collector in `registry` (one engine per registry)."""
-    core = engine.core
-    engine.on_step = StepMetrics()
-    engine.on_abort = engine.on_step.aborted
-    if core.drafts is not None:
-        core.drafts.on_propose = PROPOSE.observe
-    collector = CoreCollector(core)
-    registry.register(collector)
-    return collector

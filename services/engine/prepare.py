@@ -57,13 +57,8 @@ class RequestPreparer:
         """Starts a blend's first stage on the step loop while the documents' KV is fetched."""
 
     def namespace(self, tenant_salt: str, spec: Optional[codec.CodecSpec] = None) -> KvNamespace:
-        """The KV namespace of a request of this tenant storing with `spec` (None: the
-        deployment's codec; exact without a KV service)."""
-        ns = self.core.namespace.for_tenant(tenant_salt)
-        kv = self.core.kv
-        if kv is None:
-            return ns
-        return ns.with_storage((spec or kv.config.codec).storage(self.core.loaded.dtype))
+        """EngineCore.request_namespace."""
+        return self.core.request_namespace(tenant_salt, spec)
 
     def check(self, inp: GenerateInput) -> None:
         """InvalidArgument for what can be checked before anything is fetched."""

@@ -1,16 +1,16 @@
-"""Per-request sampling and stopping parameters, validated once at admission."""
+"""Per-request sampling and stopping parameters, validated once at admission.
+
+`SamplingParams.validate` is the engine's one check of a request's sampling fields (called by
+`EngineCore.validate` for every request the gRPC edge admits); the limits are the shared ones in
+`kvmesh.limits`, which the gateway checks too, with OpenAI's parameter names.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 from kvmesh.errors import InvalidArgument
-
-MAX_TEMPERATURE = 2.0
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_SEED = 2**64 - 1
+from kvmesh.limits import MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
 
 @dataclass(frozen=True)

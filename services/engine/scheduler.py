@@ -177,27 +177,25 @@ class Scheduler:
         return self._by_id.get(request_id)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (its SamplingParams already validated).
+        """Queue a new sequence, validated at the engine's edge (EngineCore.validate: a
+        non-empty prompt that `check_fits`).
 
         Raises ResourceExhausted when the waiting queue is full, InvalidArgument when the id is
-        taken or the sequence could never fit in the KV cache.
+        taken (ids key the scheduler's own table).
         """
         if len(self.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(
                 f"the engine's queue is full ({self.config.max_waiting} waiting requests); retry later"
             )
-        if seq.num_prompt_tokens == 0:
-            raise InvalidArgument("the prompt is empty; send at least one token")
         if seq.request_id in self._by_id:
             raise InvalidArgument(f"request id {seq.request_id!r} is already in use; pick a unique id")
-        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """InvalidArgument when a sequence of this length could never fit in the KV cache (the
-        engine checks it at its edge too, before fetching any KV)."""
+        """InvalidArgument when a sequence of this length could never fit in the KV cache (checked
+        at the engine's edge, before any KV is fetched)."""
         max_len = prompt_tokens + max_tokens
         needed, have = -(-max_len // self.config.block_size), self.block_manager.num_blocks
         if needed > have:

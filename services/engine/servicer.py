@@ -5,7 +5,7 @@ Errors are raised as kvmesh.errors exceptions; the shared interceptor turns them
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 from google.protobuf import unknown_fields
@@ -15,8 +15,8 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.prompt_parts import Part, part_from_proto
-from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.kv.codec import CodecSpec
+from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.ingest import IngestRequest
 from kvmesh.services.engine.outputs import RequestOutput
 from kvmesh.services.engine.sampler import TokenLogprobs
@@ -38,6 +38,38 @@ _SPECULATION = {
     engine_pb2.SPECULATION_MODEL: SpecMode.MODEL,
     engine_pb2.SPECULATION_ADAPTIVE: SpecMode.ADAPTIVE,
 }
+
+
+_CODECS = {
+    engine_pb2.KV_CODEC_FP16: "fp16",
+    engine_pb2.KV_CODEC_BF16: "bf16",
+    engine_pb2.KV_CODEC_INT8: "int8",
+    engine_pb2.KV_CODEC_INT4: "int4",
+    engine_pb2.KV_CODEC_INT2: "int2",
+}
+
+_WEIGHT_FORMATS = {
+    "fp32": engine_pb2.WEIGHT_FORMAT_FP32,
+    "bf16": engine_pb2.WEIGHT_FORMAT_BF16,
+    "int8": engine_pb2.WEIGHT_FORMAT_INT8,
+    "int4": engine_pb2.WEIGHT_FORMAT_INT4,
+    "int4-w8a8": engine_pb2.WEIGHT_FORMAT_INT4_W8A8,
+}
+
+
+def weight_format_to_proto(name: str) -> int:
+    """GetModelInfoResponse.weights of a resolved weight format (kvmesh.model.loader.WEIGHT_FORMATS)."""
+    return _WEIGHT_FORMATS[name]
+
+
+def codec_from_proto(storage: engine_pb2.KvStorage) -> tuple[str, bool]:
+    """A request's KvStorage as (kvmesh.kv.codec codec name, zstd); InvalidArgument for an
+    unspecified or unknown codec."""
+    if storage.codec not in _CODECS:
+        known = ", ".join(engine_pb2.KvCodec.Name(v) for v in _CODECS)
+        raise InvalidArgument(f"kv_storage.codec {storage.codec} is not a KV codec; use one of {known}, "
+                              "or leave kv_storage unset for the engine's --kv-codec")
+    return _CODECS[storage.codec], storage.zstd
 
 
 def speculation_from_proto(value: int) -> SpecMode | None:
@@ -90,12 +122,12 @@ def parts_from_proto(prompt: engine_pb2.Prompt) -> list[Part]:
     return out
 
 
-def _logprobs_to_proto(lp: TokenLogprobs, tokenizer) -> engine_pb2.TokenLogprobs:
+def _logprobs_to_proto(lp: TokenLogprobs, tokenizer) -> common_pb2.TokenLogprobs:
     def entry(token_id: int, logprob: float) -> common_pb2.TokenLogprob:
         text = tokenizer.decode([token_id], skip_special_tokens=False)
         return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, text=text)
 
-    return engine_pb2.TokenLogprobs(chosen=entry(lp.token_id, lp.logprob),
+    return common_pb2.TokenLogprobs(chosen=entry(lp.token_id, lp.logprob),
                                     top=[entry(t, v) for t, v in lp.top])
 
 
@@ -131,7 +163,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 ratio = float(request.blend.recompute_ratio)
         params = sampling_from_proto(request.sampling)
         speculation = speculation_from_proto(request.speculation)
-        kv_codec = self._codec(request.kv_codec)
+        kv_codec = self._codec(request)
         trace.get_current_span().set_attributes({
             "gen_ai.system": "kvmesh", "gen_ai.operation.name": "generate", "gen_ai.request.model": self.info.model,
             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
@@ -139,7 +171,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         async for out in self.engine.generate(ids, params, request.request_id, tenant_salt=request.cache_salt,
                                               kv_codec=kv_codec, speculation=speculation,
                                               parts=parts, recompute_ratio=ratio):
-            yield self._to_proto(out, tokenizer)
+            for msg in self._to_proto(out, tokenizer):
+                yield msg
 
     async def IngestDocument(self, request: engine_pb2.IngestDocumentRequest,
                              context: grpc.aio.ServicerContext) -> engine_pb2.IngestDocumentResponse:
@@ -155,41 +188,42 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         result = await self.engine.ingest_document(IngestRequest(
             request.document_id, ids, text, metadata=dict(request.metadata), tenant_salt=request.cache_salt,
             ttl_s=request.ttl_s if request.HasField("ttl_s") else None, pinned=request.pinned,
-            kv_codec=self._codec(request.kv_codec)))
+            kv_codec=self._codec(request)))
         return engine_pb2.IngestDocumentResponse(tokens=result.tokens, chunks=result.chunks,
                                                  reused_chunks=result.reused_chunks)
 
-    def _codec(self, name: str) -> CodecSpec | None:
-        """A request's kv_codec ("int4", "int2+zstd"; empty: the deployment's) as a CodecSpec."""
-        if not name:
+    def _codec(self, request: engine_pb2.GenerateRequest | engine_pb2.IngestDocumentRequest) -> CodecSpec | None:
+        """The request's kv_storage over the deployment's codec settings; None when unset."""
+        if not request.HasField("kv_storage"):
             return None
-        codec_name, plus, extra = name.partition("+")
-        if plus and extra != "zstd":
-            raise InvalidArgument(f"unknown KV codec {name!r}; use a codec name, optionally with '+zstd'")
-        return self.engine.kv_codec(codec_name, bool(plus))
+        _reject_unknown_fields(request.kv_storage, "kv_storage")
+        return self.engine.kv_codec(*codec_from_proto(request.kv_storage))
 
-    def _to_proto(self, out: RequestOutput, tokenizer) -> engine_pb2.GenerateResponse:
-        msg = engine_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids,
-                                          text=out.text)
-        msg.logprobs.extend(_logprobs_to_proto(lp, tokenizer) for lp in out.logprobs)
-        msg.prompt_logprobs.extend(_logprobs_to_proto(lp, tokenizer) for lp in out.prompt_logprobs)
-        if out.finished:
-            u = out.usage
-            msg.final.CopyFrom(engine_pb2.Final(
-                finish_reason=_FINISH[out.finish_reason],
-                usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens,
-                                       completion_tokens=u.completion_tokens,
-                                       cached_prompt_tokens=u.cached_prompt_tokens),
-                stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s))
-            if out.documents is not None:
-                msg.final.blended_tokens = out.documents.blended_tokens
-                msg.final.recomputed_tokens = out.documents.recomputed_tokens
-                msg.final.document_ids.extend(out.documents.document_ids)
-            if out.spec is not None:
-                msg.final.spec_steps = out.spec.steps
-                msg.final.draft_tokens = out.spec.draft_tokens
-                msg.final.accepted_draft_tokens = out.spec.accepted_tokens
-        return msg
+    def _to_proto(self, out: RequestOutput, tokenizer) -> Iterator[engine_pb2.GenerateResponse]:
+        """A delta with the output's new tokens (always while running: the stream shows progress;
+        at the end only when there is output), then, when it finished, the final message."""
+        delta = engine_pb2.Delta(token_ids=out.token_ids, text=out.text)
+        delta.logprobs.extend(_logprobs_to_proto(lp, tokenizer) for lp in out.logprobs)
+        delta.prompt_logprobs.extend(_logprobs_to_proto(lp, tokenizer) for lp in out.prompt_logprobs)
+        if not out.finished or delta.ByteSize():
+            yield engine_pb2.GenerateResponse(request_id=out.request_id, delta=delta)
+        if not out.finished:
+            return
+        u = out.usage
+        final = engine_pb2.Final(
+            finish_reason=_FINISH[out.finish_reason],
+            usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                   cached_prompt_tokens=u.cached_prompt_tokens),
+            stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s)
+        if out.documents is not None:
+            final.blended_tokens = out.documents.blended_tokens
+            final.recomputed_tokens = out.documents.recomputed_tokens
+            final.document_ids.extend(out.documents.document_ids)
+        if out.spec is not None:
+            final.spec_steps = out.spec.steps
+            final.draft_tokens = out.spec.draft_tokens
+            final.accepted_draft_tokens = out.spec.accepted_tokens
+        yield engine_pb2.GenerateResponse(request_id=out.request_id, final=final)
 
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:

@@ -19,8 +19,9 @@ through `hmac.compare_digest`, never stopping early, so timing does not reveal w
 how many bytes matched.
 
 Each tenant's requests carry a cache salt — its name, or the `cache_namespace` the operator
-configured — that the engines and the KV-cache service fold into every KV key, so tenants never
-share cached KV unless the operator says so.
+configured, as kvmesh.kv.namespace.tenant_salt writes it (the one format, shared with the CLI) —
+that the engines and the KV-cache service fold into every KV namespace, so tenants never share
+cached KV unless the operator says so.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.errors import Unauthenticated
+from kvmesh.kv.namespace import tenant_salt
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +67,9 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def cache_salt(tenant: str, namespace: str | None) -> str:
-    """The KV salt of a tenant: its configured shared namespace, else its own name."""
-    return f"ns:{namespace}" if namespace else f"tenant:{tenant}"
-
-
 def open_tenant() -> Tenant:
     """The single tenant of a gateway without a keys file."""
-    return Tenant(DEFAULT_TENANT, cache_salt(DEFAULT_TENANT, None))
+    return Tenant(DEFAULT_TENANT, tenant_salt(DEFAULT_TENANT))
 
 
 def check_name(value: str, what: str) -> str:
@@ -106,7 +103,7 @@ def parse_keys_file(data: Any, where: str) -> list[tuple[str, Tenant]]:
         limit = t.get("max_inflight_requests")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise KeysFileError(f"{at}.max_inflight_requests must be a whole number >= 1 or null")
-        tenant = Tenant(name, cache_salt(name, namespace), limit)
+        tenant = Tenant(name, tenant_salt(name, namespace), limit)
         for j, k in enumerate(t.get("keys") or []):
             digest = k.get("sha256") if isinstance(k, dict) else None
             if not isinstance(digest, str) or not _HEX64.match(digest):

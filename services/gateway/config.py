@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.rpc.server import ServerSettings
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -18,8 +19,7 @@ class GatewayConfig:
     model: str = setting("bundled", "Tokenizer source: 'bundled' (SmolLM2 GGUF), a .gguf path or a Hugging Face folder; only the tokenizer and chat template are read, never the weights.")
     http_host: str = setting("127.0.0.1", "Address the OpenAI-compatible HTTP server binds (loopback by default).")
     http_port: int = setting(8000, "HTTP port; 0 picks a free one (printed at start).", min=0, max=65535)
-    host: str = setting("127.0.0.1", "Address the gRPC server (kvmesh.gateway.v1, health, reflection) binds.")
-    port: int = setting(50051, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
+    server: ServerSettings = ServerSettings(port=50051)
     metrics: bool = setting(True, "Serve Prometheus text at GET /metrics on the HTTP port.")
     keys_file: Optional[Path] = setting(None, "JSON file of tenants and API-key hashes (see `python -m kvmesh.services.gateway.keys`); unset = no keys, every request is tenant 'default'.")
     max_inflight_requests: int = setting(256, "Upstream requests (prompts x n) in flight at once; more get 503 with Retry-After.", min=1)
@@ -31,8 +31,6 @@ class GatewayConfig:
     default_temperature: float = setting(1.0, "Temperature of a request that names none (OpenAI's default is 1.0; 0 = greedy).", min=0.0, max=2.0)
     request_timeout_s: float = setting(600.0, "Deadline of each upstream generation (the whole stream).", min=0.1)
     models_refresh_s: float = setting(5.0, "Seconds the router's model list is cached before it is asked again.", min=0.0)
-    grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.", min=0.0)
-    otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
     trace_content: bool = setting(False, "Record prompts and completions in trace spans (gen_ai.prompt, gen_ai.completion). Off by default: traces then carry token counts, never text.")
 
     def validate(self) -> None:
@@ -43,11 +41,13 @@ class GatewayConfig:
             raise ConfigError(f"--keys-file {self.keys_file} does not exist; create it with "
                               f"`python -m kvmesh.services.gateway.keys add --keys-file {self.keys_file} "
                               "--tenant NAME`, or unset it to run without keys")
-        if self.http_host == self.host and self.http_port == self.port and self.port != 0:
-            raise ConfigError(f"--http-port and --port are both {self.port}; give the HTTP and gRPC "
+        rpc = self.server
+        if self.http_host == rpc.host and self.http_port == rpc.port and rpc.port != 0:
+            raise ConfigError(f"--http-port and --port are both {rpc.port}; give the HTTP and gRPC "
                               "servers different ports")
 
     @property
     def open_to_network_without_keys(self) -> bool:
         """True when a server binds beyond loopback while no keys file is configured."""
-        return self.keys_file is None and not (self.http_host in _LOOPBACK and self.host in _LOOPBACK)
+        return self.keys_file is None and not (self.http_host in _LOOPBACK
+                                               and self.server.host in _LOOPBACK)

@@ -19,7 +19,7 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2 as pb
 from kvmesh.gateway.v1 import gateway_pb2_grpc
 from kvmesh.services.gateway.auth import Tenant, bearer_token
-from kvmesh.services.gateway.errors import ApiError, to_api_error
+from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
 from kvmesh.services.gateway.service import Gateway
 from kvmesh.services.gateway.spec import (
     ChatTurn,
@@ -34,7 +34,9 @@ from kvmesh.services.gateway.spec import (
 )
 from kvmesh.services.gateway.sse import CLIENT_CLOSED
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+_ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_DEVELOPER: "developer", pb.ROLE_USER: "user",
+          pb.ROLE_ASSISTANT: "assistant"}
 
 
 def _sampling(o: pb.GenerationOptions) -> tuple[Sampling, int]:
@@ -58,11 +60,18 @@ def complete_request(r: pb.CompleteRequest) -> GenerationRequest:
                              sampling=sampling, n=n, echo=r.echo, user=r.user)
 
 
+def _role(value: int, index: int) -> str:
+    if value not in _ROLES:
+        known = ", ".join(pb.Role.Name(v) for v in _ROLES)
+        raise invalid(f"messages[{index}].role must be one of {known}, got {value}", f"messages[{index}].role")
+    return _ROLES[value]
+
+
 def chat_request(r: pb.ChatCompleteRequest) -> GenerationRequest:
     """A ChatComplete call as the domain request."""
     sampling, n = _sampling(r.options)
-    messages = tuple(ChatTurn(m.role, m.content, m.name if m.HasField("name") else None)
-                     for m in r.messages)
+    messages = tuple(ChatTurn(_role(m.role, i), m.content, m.name if m.HasField("name") else None)
+                     for i, m in enumerate(r.messages))
     documents = tuple(DocumentRef(id=d.id if d.WhichOneof("source") == "id" else None,
                                   text=d.text if d.WhichOneof("source") == "text" else None)
                       for d in r.documents)
@@ -89,8 +98,8 @@ def final_chunk(head: dict[str, Any], u: Usage) -> pb.CompletionChunk:
     return chunk
 
 
-def _logprobs(entries: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprobs]:
-    return [pb.TokenLogprobs(
+def _logprobs(entries: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprobs]:
+    return [common_pb2.TokenLogprobs(
         chosen=common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob or 0.0, text=e.token),
         top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob, text=t.token)
              for t in e.top]) for e in entries]
@@ -99,8 +108,9 @@ def _logprobs(entries: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprobs]:
 def delta_proto(delta: ChoiceDelta, kind: Kind) -> pb.ChoiceDelta:
     """One domain delta as the proto message."""
     msg = pb.ChoiceDelta(index=delta.index, text=delta.text, token_ids=list(delta.token_ids),
-                         logprobs=_logprobs(delta.logprobs),
-                         role="assistant" if kind == "chat" and delta.first else "")
+                         logprobs=_logprobs(delta.logprobs))
+    if kind == "chat" and delta.first:
+        msg.role = pb.ROLE_ASSISTANT
     if delta.finish_reason is not None:
         msg.finish_reason = _FINISH[delta.finish_reason]
     if delta.echo is not None:

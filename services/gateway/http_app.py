@@ -35,7 +35,7 @@ from kvmesh.services.gateway.openai_schema import (
 )
 from kvmesh.services.gateway.service import Gateway, Generation
 from kvmesh.services.gateway.sse import CLIENT_CLOSED, ClientGone, EventStream, race_disconnect
-from kvmesh.telemetry import extract_context, tracer
+from kvmesh.telemetry import Telemetry, extract_context
 
 _UNTRACED = ("/health", "/metrics")
 
@@ -45,10 +45,12 @@ def error_response(err: ApiError) -> JSONResponse:
 
 
 class TraceMiddleware:
-    """Opens a SERVER span per HTTP request (health and metrics excepted) and makes it current."""
+    """Opens a SERVER span per HTTP request (health and metrics excepted) and makes it current,
+    with `telemetry`'s provider (kvmesh.telemetry's NOTE) for the router call made for it."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, telemetry: Telemetry) -> None:
         self.app = app
+        self.telemetry = telemetry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in _UNTRACED:
@@ -56,7 +58,7 @@ class TraceMiddleware:
             return
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         method, path = scope["method"], scope["path"]
-        span = tracer("kvmesh.gateway").start_span(
+        span = self.telemetry.tracer("kvmesh.gateway").start_span(
             f"{method} {path}", context=extract_context(headers), kind=SpanKind.SERVER,
             attributes={"http.request.method": method, "url.path": path})
         status = 500
@@ -67,7 +69,7 @@ class TraceMiddleware:
                 status = message["status"]
             await send(message)
 
-        token = otel_context.attach(trace.set_span_in_context(span))
+        token = otel_context.attach(self.telemetry.context(trace.set_span_in_context(span)))
         try:
             await self.app(scope, receive, send_status)
         finally:
@@ -78,15 +80,16 @@ class TraceMiddleware:
             span.end()
 
 
-def create_app(gateway: Gateway, *, serve_metrics: bool = True) -> FastAPI:
-    """The HTTP application for `gateway`."""
+def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = True) -> FastAPI:
+    """The HTTP application for `gateway`; spans go to `telemetry`'s provider and /metrics serves
+    its registry."""
     # FastAPI's own OpenTelemetry (newer releases) is off: TraceMiddleware opens the one SERVER
     # span per request, on any FastAPI version, and leaves probes untraced.
     app = FastAPI(title="kvmesh gateway", summary="OpenAI-compatible API of kvmesh",
                   docs_url=None, redoc_url=None, openapi_url=None,
                   telemetry={"tracing": False, "metrics": False, "logs": False,
                              "operation_spans": False})
-    app.add_middleware(TraceMiddleware)
+    app.add_middleware(TraceMiddleware, telemetry=telemetry)
     retry_after = gateway.options.retry_after_s
 
     @app.exception_handler(KvmeshError)
@@ -118,7 +121,7 @@ def create_app(gateway: Gateway, *, serve_metrics: bool = True) -> FastAPI:
     if serve_metrics:
         @app.get("/metrics")
         async def prometheus() -> Response:
-            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+            return Response(generate_latest(telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:

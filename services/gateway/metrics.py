@@ -1,4 +1,4 @@
-"""Gateway metrics (Prometheus, default registry; served at GET /metrics on the HTTP port).
+"""Gateway metrics (Prometheus; served at GET /metrics on the HTTP port).
 
 `status` is the HTTP status of the outcome on both front ends (gRPC codes mapped by
 `errors.http_status`), so one dashboard covers both; `endpoint` is the HTTP path or
@@ -6,33 +6,45 @@
 """
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmesh.metrics import metric_name
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-REQUESTS = Counter(metric_name("gateway", "requests"), "Finished requests by outcome.",
-                   ["endpoint", "status", "tenant"])
-REQUEST_SECONDS = Histogram(metric_name("gateway", "request_seconds"),
-                            "Request duration, arrival to last byte (or error).", ["endpoint"],
-                            buckets=_LATENCY_BUCKETS)
-TTFT_SECONDS = Histogram(metric_name("gateway", "ttft_seconds"),
-                         "Arrival to the first generated token of a request.", ["endpoint"],
-                         buckets=_LATENCY_BUCKETS)
-INFLIGHT_REQUESTS = Gauge(metric_name("gateway", "inflight_requests"),
-                          "Upstream generations (prompts x n) admitted and not finished.")
-INFLIGHT_PROMPT_TOKENS = Gauge(metric_name("gateway", "inflight_prompt_tokens"),
-                               "Prompt tokens of the admitted, unfinished generations.")
-REJECTED = Counter(metric_name("gateway", "rejected"),
-                   "Requests refused before reaching the router, or for upstream overload.",
-                   ["reason"])
-TOKENS = Counter(metric_name("gateway", "tokens"),
-                 "Tokens of finished requests: prompt, completion, and cached (prompt tokens "
-                 "whose KV was reused).", ["kind"])
 
+class GatewayMetrics:
+    """The gateway's metrics, registered in its registry (one set per registry), which its
+    /metrics route serves."""
 
-def set_inflight(requests: int, prompt_tokens: int) -> None:
-    """Admission's change hook: mirror the in-flight counts into the gauges."""
-    INFLIGHT_REQUESTS.set(requests)
-    INFLIGHT_PROMPT_TOKENS.set(prompt_tokens)
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            metric_name("gateway", "requests"), "Finished requests by outcome.",
+            ["endpoint", "status", "tenant"], registry=registry)
+        self.request_seconds = Histogram(
+            metric_name("gateway", "request_seconds"),
+            "Request duration, arrival to last byte (or error).", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.ttft_seconds = Histogram(
+            metric_name("gateway", "ttft_seconds"),
+            "Arrival to the first generated token of a request.", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inflight_requests = Gauge(
+            metric_name("gateway", "inflight_requests"),
+            "Upstream generations (prompts x n) admitted and not finished.", registry=registry)
+        self.inflight_prompt_tokens = Gauge(
+            metric_name("gateway", "inflight_prompt_tokens"),
+            "Prompt tokens of the admitted, unfinished generations.", registry=registry)
+        self.rejected = Counter(
+            metric_name("gateway", "rejected"),
+            "Requests refused before reaching the router, or for upstream overload.", ["reason"],
+            registry=registry)
+        self.tokens = Counter(
+            metric_name("gateway", "tokens"),
+            "Tokens of finished requests: prompt, completion, and cached (prompt tokens whose KV "
+            "was reused).", ["kind"], registry=registry)
+
+    def set_inflight(self, requests: int, prompt_tokens: int) -> None:
+        """Admission's change hook: mirror the in-flight counts into the gauges."""
+        self.inflight_requests.set(requests)
+        self.inflight_prompt_tokens.set(prompt_tokens)

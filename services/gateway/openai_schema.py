@@ -6,7 +6,7 @@ that names them, rather than silently ignored: a client relying on them would ge
 Range checks shared with the gRPC API live in `spec.validate_request`.
 
 kvmesh extensions of chat completions: `documents` (a list of `{"id": ...}` or `{"text": ...}`),
-`retrieve` (`{"top_k": 1..16, "query": optional}`) and `recompute_ratio` (0..1); see
+`retrieve` (`{"top_k": 1..kvmesh.limits.MAX_RETRIEVE_K, "query": optional}`) and `recompute_ratio` (0..1); see
 `spec.GenerationRequest`. Completions refuse them.
 """
 from __future__ import annotations

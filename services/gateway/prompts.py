@@ -103,10 +103,8 @@ class PromptBuilder:
                                   retrieve: Retrieval | None) -> PreparedPrompt:
         """The conversation in parts, documents before the last user message's content (see
         the module NOTE); the request was validated (a user message, well-formed documents)."""
-        users = [i for i, m in enumerate(messages) if m.role == "user"]
-        if not users:
-            raise invalid("documents need a user message to be placed in", "messages")
-        index = users[-1]
+        # spec.validate_request refused requests without a user message: not checked again here
+        index = max(i for i, m in enumerate(messages) if m.role == "user")
         user = messages[index]
         sentinel = f"<kvmesh-documents-{uuid.uuid4().hex}>"
         marked = list(messages)

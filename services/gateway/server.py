@@ -1,7 +1,9 @@
 """The gateway's two servers in one asyncio loop: uvicorn (HTTP) and grpc.aio (gRPC).
 
 `build_gateway` wires the domain objects from the config; `GatewayServer` runs the HTTP app and
-the gRPC server (kvmesh.gateway.v1 + health + reflection) side by side. The HTTP socket is bound
+the gRPC server (kvmesh.gateway.v1 + health + reflection) side by side: `python -m
+kvmesh.services.gateway` starts the HTTP side itself and serves `GatewayServer.service` with the
+entry helper (kvmesh.rpc.entry); `start`/`stop` run both, as tests do. The HTTP socket is bound
 before uvicorn starts, so its port is known at once (port 0 included) and connections made
 before uvicorn's first accept simply wait in the backlog. Uvicorn's own signal handling is
 switched off: the RpcServer owns SIGTERM, and its drain hook stops HTTP admissions too.
@@ -23,23 +25,26 @@ import uvicorn
 
 from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.model.tokenizer import Tokenizer
-from kvmesh.rpc.server import RpcServer, ServerOptions
-from kvmesh.services.gateway import metrics
+from kvmesh.rpc.entry import Service
+from kvmesh.rpc.server import RpcServer
 from kvmesh.services.gateway.admission import Admission, AdmissionLimits
 from kvmesh.services.gateway.auth import KeyStore
 from kvmesh.services.gateway.config import GatewayConfig
 from kvmesh.services.gateway.grpc_servicer import GatewayServicer
 from kvmesh.services.gateway.http_app import create_app
+from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.prompts import PromptBuilder
 from kvmesh.services.gateway.service import Gateway, GatewayOptions
 from kvmesh.services.gateway.spec import Limits
 from kvmesh.services.gateway.upstream import ModelCatalog, RouterClient
+from kvmesh.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
-def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Channel) -> Gateway:
+def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Channel,
+                  metrics: GatewayMetrics) -> Gateway:
     """The request-handling core for `cfg`, talking to the router over `channel`."""
     router = RouterClient(channel, cfg.request_timeout_s, cfg.retry_after_s)
     admission = Admission(
@@ -50,7 +55,7 @@ def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Ch
                              retry_after_s=cfg.retry_after_s, trace_content=cfg.trace_content,
                              limits=Limits(max_n=cfg.max_n, max_batch_prompts=cfg.max_batch_prompts))
     return Gateway(router, ModelCatalog(router, cfg.models_refresh_s), PromptBuilder(tokenizer),
-                   KeyStore(cfg.keys_file), admission, options)
+                   KeyStore(cfg.keys_file), admission, options, metrics)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -71,17 +76,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class GatewayServer:
-    """HTTP + gRPC servers over one `Gateway` (see the module docstring)."""
+    """HTTP + gRPC servers over one `Gateway` (see the module docstring); spans and metrics go to
+    `telemetry` (the registry is served at GET /metrics)."""
 
-    def __init__(self, cfg: GatewayConfig, gateway: Gateway) -> None:
+    def __init__(self, cfg: GatewayConfig, gateway: Gateway, telemetry: Telemetry) -> None:
         self.cfg = cfg
         self.gateway = gateway
-        self.app = create_app(gateway, serve_metrics=cfg.metrics)
+        self.telemetry = telemetry
+        self.app = create_app(gateway, telemetry, serve_metrics=cfg.metrics)
         servicer = GatewayServicer(gateway)
-        self.rpc = RpcServer(
-            "gateway", ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s),
+        self.service = Service(
             lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-            [SERVICE], on_drain=gateway.drain)
+            (SERVICE,), on_drain=gateway.drain)
+        self.rpc: RpcServer | None = None  # built by `start`; the entry helper builds its own
         self.http_port: int | None = None
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -91,7 +98,7 @@ class GatewayServer:
         sock = _bind(self.cfg.http_host, self.cfg.http_port)
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=max(int(self.cfg.grace_s), 1))
+                                timeout_graceful_shutdown=max(int(self.cfg.server.grace_s), 1))
         self._http = _Uvicorn(config)
         self._http_task = asyncio.ensure_future(self._http.serve(sockets=[sock]))
         return self.http_port
@@ -104,11 +111,14 @@ class GatewayServer:
         await self._http_task
 
     async def start(self) -> tuple[int, int]:
-        """Start both servers (HTTP first, so gRPC health SERVING means both are up)."""
+        """Start both servers (HTTP first, so gRPC health SERVING means both are up); returns
+        their ports."""
         http_port = await self.start_http()
+        self.rpc = self.service.server("gateway", self.cfg.server, self.telemetry)
         return http_port, await self.rpc.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain (see the module NOTE) and stop both servers."""
-        await self.rpc.drain(grace_s)
+        if self.rpc is not None:
+            await self.rpc.drain(grace_s)
         await self.stop_http()

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import Unauthenticated
 from kvmesh.router.v1 import router_pb2
-from kvmesh.services.gateway import metrics
+from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.admission import Admission, Rejection, Ticket
 from kvmesh.services.gateway.auth import KeyStore, Tenant
 from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
@@ -125,13 +126,13 @@ class Generation:
                         texts.setdefault(item.index, []).append(item.text)
                     if first_token and (item.token_ids or item.text):
                         first_token = False
-                        metrics.TTFT_SECONDS.labels(self._endpoint).observe(
+                        self._gateway.metrics.ttft_seconds.labels(self._endpoint).observe(
                             time.perf_counter() - self._arrival)
                     yield item
             for kind, value in (("prompt", self.usage.prompt_tokens),
                                 ("completion", self.usage.completion_tokens),
                                 ("cached", self.usage.cached_tokens)):
-                metrics.TOKENS.labels(kind).inc(value)
+                self._gateway.metrics.tokens.labels(kind).inc(value)
             trace.get_current_span().set_attributes({  # GenAI semantic conventions
                 "gen_ai.usage.input_tokens": self.usage.prompt_tokens,
                 "gen_ai.usage.output_tokens": self.usage.completion_tokens,
@@ -142,7 +143,7 @@ class Generation:
                     "gen_ai.completion": ["".join(texts.get(i, ())) for i in range(len(self._jobs))]})
         except grpc.aio.AioRpcError as e:
             if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                metrics.REJECTED.labels("upstream_exhausted").inc()
+                self._gateway.metrics.rejected.labels("upstream_exhausted").inc()
             raise to_api_error(e, retry_after=self._gateway.options.retry_after_s) from e
         finally:
             self._ticket.release()
@@ -158,20 +159,22 @@ class Gateway:
     """Authentication, models, and `start` (see the module docstring) for both front ends."""
 
     def __init__(self, router: RouterClient, catalog: ModelCatalog, prompts: PromptBuilder,
-                 keys: KeyStore, admission: Admission, options: GatewayOptions) -> None:
+                 keys: KeyStore, admission: Admission, options: GatewayOptions,
+                 metrics: GatewayMetrics) -> None:
         self.router = router
         self.catalog = catalog
         self.prompts = prompts
         self.keys = keys
         self.admission = admission
         self.options = options
+        self.metrics = metrics
 
     def authenticate(self, key: str | None) -> Tenant:
         """The tenant of `key` (raises Unauthenticated; counted as a rejection)."""
         try:
             return self.keys.authenticate(key)
         except Unauthenticated:
-            metrics.REJECTED.labels("unauthenticated").inc()
+            self.metrics.rejected.labels("unauthenticated").inc()
             raise
 
     @property
@@ -209,8 +212,8 @@ class Gateway:
 
     def record(self, endpoint: str, status: int, tenant: str, arrival: float) -> None:
         """Count one finished request (called once per request by the front end)."""
-        metrics.REQUESTS.labels(endpoint, str(status), tenant).inc()
-        metrics.REQUEST_SECONDS.labels(endpoint).observe(time.perf_counter() - arrival)
+        self.metrics.requests.labels(endpoint, str(status), tenant).inc()
+        self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - arrival)
 
     async def start(self, req: GenerationRequest, tenant: Tenant, *, endpoint: str,
                     arrival: float) -> Generation:
@@ -270,7 +273,7 @@ class Gateway:
                                            tenant.max_inflight_requests)
         if isinstance(outcome, Ticket):
             return outcome
-        metrics.REJECTED.labels(outcome.value).inc()
+        self.metrics.rejected.labels(outcome.value).inc()
         retry = self.options.retry_after_s
         a = self.admission
         if outcome is Rejection.DRAINING:
@@ -324,7 +327,7 @@ class Gateway:
             if req.recompute_ratio is not None:
                 upstream.blend.recompute_ratio = req.recompute_ratio
         else:
-            upstream.token_ids.CopyFrom(engine_pb2.TokenIds(ids=prompt.token_ids))
+            upstream.token_ids.CopyFrom(common_pb2.TokenIds(ids=prompt.token_ids))
         request = router_pb2.RouteRequest(request=upstream, model=req.model, tenant=tenant.name,
                                           prompt_text=prompt.text)
         return ChoiceJob(index, prompt_index, request, echo)

@@ -2,8 +2,10 @@
 
 The HTTP schema (`openai_schema`) and the gRPC servicer each translate their wire format into a
 `GenerationRequest`; `validate_request` then checks it the same way for both, with messages that
-name the offending OpenAI parameter. Limits follow the engine's (`services/engine/sampling.py`)
-so a request the gateway accepts is not refused later for a range the engine enforces.
+name the offending OpenAI parameter. The ranges the engine enforces too come from
+`kvmesh.limits`, so a request the gateway accepts is not refused later for one of them. This is
+the gateway's one range check: the front ends check only what their own wire format can get wrong
+(unsupported OpenAI knobs, conflicting fields), and the engine checks again at its own edge.
 """
 from __future__ import annotations
 
@@ -11,16 +13,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvmesh.limits import (
+    MAX_LOGPROBS,
+    MAX_RETRIEVE_K,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+)
 from kvmesh.services.gateway.errors import invalid
 
-MAX_TEMPERATURE = 2.0
-MAX_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_SEED = 2**64 - 1
-MAX_RETRIEVE_TOP_K = 16  # the engine's (and the KV service's) bound on Retrieve.k
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
+# OpenAI API rules that the engine does not share, so they are the gateway's alone.
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' `logprobs` (chat's `top_logprobs`: MAX_LOGPROBS)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # legacy completions' default max_tokens
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 Kind = Literal["completion", "chat"]
@@ -133,7 +138,7 @@ def validate_request(req: GenerationRequest, limits: Limits) -> None:
         raise invalid(f"seed must be in 0..{MAX_SEED - limits.max_n}, got {s.seed}", "seed")
     _validate_stop(s.stop)
     if s.logprobs is not None:
-        top = MAX_COMPLETION_LOGPROBS if req.kind == "completion" else MAX_TOP_LOGPROBS
+        top = MAX_COMPLETION_LOGPROBS if req.kind == "completion" else MAX_LOGPROBS
         param = "logprobs" if req.kind == "completion" else "top_logprobs"
         if not 0 <= s.logprobs <= top:
             raise invalid(f"{param} must be in 0..{top}, got {s.logprobs}", param)
@@ -168,8 +173,8 @@ def _validate_documents(req: GenerationRequest) -> None:
             raise invalid(f"documents[{i}].{name} is empty", f"documents[{i}].{name}")
     if req.retrieve is not None:
         k = req.retrieve.top_k
-        if not 1 <= k <= MAX_RETRIEVE_TOP_K:
-            raise invalid(f"retrieve.top_k must be in 1..{MAX_RETRIEVE_TOP_K}, got {k}",
+        if not 1 <= k <= MAX_RETRIEVE_K:
+            raise invalid(f"retrieve.top_k must be in 1..{MAX_RETRIEVE_K}, got {k}",
                           "retrieve.top_k")
         query = req.retrieve.query
         if query is not None and not query.strip():

@@ -161,10 +161,12 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                 echo = job.echo
                 # The engine sends one entry per prompt token from the second on; without them
                 # (a tier that cannot score prompts) the placeholders without logprobs stay.
-                if echo.logprobs and len(out.prompt_logprobs) == len(echo.logprobs) - 1:
+                prompt_logprobs = out.delta.prompt_logprobs
+                if echo.logprobs and len(prompt_logprobs) == len(echo.logprobs) - 1:
                     echo = EchoedPrompt(echo.text, echo.token_ids,
-                                        echo.logprobs[:1] + _logprobs(out.prompt_logprobs))
+                                        echo.logprobs[:1] + _logprobs(prompt_logprobs))
             finish = None
+            delta = out.delta  # empty on the final message
             if out.HasField("final"):
                 if out.final.finish_reason not in _FINISH:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE,
@@ -176,9 +178,9 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                                     u.cached_prompt_tokens,
                                     DocumentUsage(tuple(f.document_ids), f.blended_tokens,
                                                   f.recomputed_tokens))
-            if first or out.text or out.token_ids or finish:
-                yield ChoiceDelta(job.index, out.text, tuple(out.token_ids),
-                                  _logprobs(out.logprobs), finish, echo, first)
+            if first or delta.text or delta.token_ids or finish:
+                yield ChoiceDelta(job.index, delta.text, tuple(delta.token_ids),
+                                  _logprobs(delta.logprobs), finish, echo, first)
                 first = False
         if final is None:
             raise ApiError(grpc.StatusCode.UNAVAILABLE,

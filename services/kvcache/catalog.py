@@ -32,13 +32,13 @@ from typing import Callable
 import numpy as np
 
 from kvmesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvmesh.kv.namespace import NAMESPACE_BYTES
 from kvmesh.services.kvcache.index import Entry, Hit, Kind, VectorIndex
 from kvmesh.services.kvcache.store import RecordTable, TieredStore
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
 _CHUNK, _DOC = b"c", b"d"
-NAMESPACE_BYTES = 16
 MAX_DOCUMENT_ID = 256
 
 
@@ -90,7 +90,7 @@ def check_namespace(namespace: bytes, what: str) -> None:
     """InvalidArgument unless ``namespace`` is a 16-byte namespace digest."""
     if len(namespace) != NAMESPACE_BYTES:
         raise InvalidArgument(f"{what}: namespace has {len(namespace)} bytes; it is the {NAMESPACE_BYTES}-byte "
-                              "digest from kvmesh.kv.keys.make_namespace (model, layout, tenant salt)")
+                              "digest of a kvmesh.kv.namespace.KvNamespace (KvNamespace.digest)")
 
 
 class Catalog:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.rpc.server import ServerSettings
 
 MiB = 1 << 20
 
@@ -21,9 +22,7 @@ def default_data_dir() -> Path:
 class KvcacheConfig:
     """Everything the kvcache service needs to start; see `python -m kvmesh.services.kvcache --help`."""
 
-    host: str = setting("127.0.0.1", "Address the gRPC server binds (loopback by default).")
-    port: int = setting(50071, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
-    metrics_port: int = setting(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.", min=-1, max=65535)
+    server: ServerSettings = ServerSettings(port=50071)
     tiers: tuple[str, ...] = setting(("memory", "disk"), "Storage tiers, fastest first.",
                                      choices=("memory", "disk", "redis"))
     data_dir: Optional[Path] = setting(None, "Directory of the LMDB environment; unset = $KVMESH_DATA_DIR/kvcache.")
@@ -33,8 +32,6 @@ class KvcacheConfig:
     redis_url: Optional[str] = setting(None, "redis://host:port/db of the shared tier (needed when tiers has 'redis').")
     redis_prefix: str = setting("kvmesh:", "Key prefix in Redis, to share a Redis with other data.")
     sweep_interval_s: float = setting(60.0, "Seconds between sweeps that remove expired entries; 0 disables (expired entries are still misses).", min=0.0)
-    grace_s: float = setting(10.0, "Seconds in-flight calls get to finish on SIGTERM.", min=0.0)
-    otlp_endpoint: Optional[str] = setting(None, "OTLP gRPC endpoint for traces; unset disables export.")
 
     def validate(self) -> None:
         if len(set(self.tiers)) != len(self.tiers):

@@ -1,45 +1,38 @@
-"""gRPC servicer for kvmesh.kvcache.v1: protobuf <-> the tiered store, nothing else.
+"""gRPC servicers for kvmesh.kvcache.v1: protobuf <-> the Backend (store and catalog), nothing else.
 
-Store calls block (LMDB commits with fsync), so they run on one worker thread, never on the
-event loop. Errors are kvmesh.errors exceptions; the shared interceptor maps them to status codes.
+`KvcacheServicer` serves the blob store, `KvCatalogServicer` the documents and the semantic
+index; one process serves both over one Backend. A request's namespace arrives as a
+kvmesh.common.v1.KvNamespace and its 16-byte digest is derived here (`KvNamespace.digest`): the
+service never trusts a digest a client computed. Errors are kvmesh.errors exceptions; the shared
+interceptor maps them to status codes.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Union
 
-import numpy as np
 from opentelemetry import trace
 
-from kvmesh.embed import DIM, Embedder, check_unit_vector
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.kv import codec, transfer
 from kvmesh.kv.keys import KEY_BYTES
+from kvmesh.kv.namespace_proto import namespace_from_proto
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
-from kvmesh.services.kvcache import metrics
-from kvmesh.services.kvcache.catalog import Catalog, Document
+from kvmesh.limits import MAX_SEARCH_K
+from kvmesh.services.kvcache.backend import Backend
+from kvmesh.services.kvcache.catalog import Document
 from kvmesh.services.kvcache.index import Kind
-from kvmesh.services.kvcache.store import EntryTooLarge, LmdbTier, MemoryTable, RecordTable, StoreFull, TieredStore
+from kvmesh.services.kvcache.store import EntryTooLarge, StoreFull
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
 
 _TIERS = {"memory": pb.TIER_MEMORY, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
 _KINDS = {pb.INDEX_KIND_UNSPECIFIED: (Kind.CHUNK, Kind.DOCUMENT), pb.INDEX_KIND_ANY: (Kind.CHUNK, Kind.DOCUMENT),
           pb.INDEX_KIND_CHUNK: (Kind.CHUNK,), pb.INDEX_KIND_DOCUMENT: (Kind.DOCUMENT,)}
 _KIND_PB = {Kind.CHUNK: pb.INDEX_KIND_CHUNK, Kind.DOCUMENT: pb.INDEX_KIND_DOCUMENT}
-
-
-def catalog_table(store: TieredStore) -> RecordTable:
-    """Where the catalog persists: a sub-database of the first disk tier, else memory."""
-    disk = next((t for t in store.tiers if isinstance(t, LmdbTier)), None)
-    return disk.table("catalog") if disk is not None else MemoryTable()
 
 
 def _check_keys(keys, what: str) -> list[bytes]:
@@ -51,90 +44,69 @@ def _check_keys(keys, what: str) -> list[bytes]:
     return keys
 
 
+NamespacedRequest = Union[pb.PutHeader, pb.SearchRequest, pb.PutDocumentRequest, pb.GetDocumentRequest,
+                          pb.ListDocumentsRequest, pb.DeleteDocumentRequest, pb.PinDocumentRequest,
+                          pb.SetDocumentTtlRequest]
+"""The messages that carry a kvmesh.common.v1.KvNamespace in their `namespace` field."""
+
+
+def namespace_digest(request: NamespacedRequest, what: str) -> bytes:
+    """The 16-byte digest of `request.namespace` (a kvmesh.common.v1.KvNamespace), derived here;
+    InvalidArgument saying what to fix when it is unset or incomplete."""
+    if not request.HasField("namespace"):
+        raise InvalidArgument(f"{what}: namespace is unset; send the KvNamespace of the KV (the engine's "
+                              "GetModelInfo.kv_namespace with the tenant's salt)")
+    try:
+        return namespace_from_proto(request.namespace).digest()
+    except ValueError as err:
+        raise InvalidArgument(f"{what}: {err}") from None
+
+
 class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
-    """Thin adapter from kvmesh.kvcache.v1 to a TieredStore."""
+    """Thin adapter from kvmesh.kvcache.v1.KvcacheService (chunks by key) to the Backend."""
 
-    def __init__(self, store: TieredStore, *, max_entry_bytes: int, embedder=None,
-                 records: RecordTable | None = None) -> None:
-        self.store = store
+    def __init__(self, backend: Backend, *, max_entry_bytes: int) -> None:
+        self.backend = backend
         self.max_entry_bytes = max_entry_bytes
-        self.corrupt_entries = 0
-        self.embedder = embedder if embedder is not None else Embedder()  # loads on first text
-        self.catalog = Catalog(store, records if records is not None else catalog_table(store), DIM)
-        self.catalog.load()
-        self._gauges()
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-io")
-        self._embed_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-embed")
-
-    def close(self) -> None:
-        """Waits for queued store work, then closes the store."""
-        self._embed_pool.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-        self.store.close()
-
-    def _gauges(self) -> None:
-        metrics.INDEX_ENTRIES.labels(kind="chunk").set(self.catalog.index.count(Kind.CHUNK))
-        metrics.INDEX_ENTRIES.labels(kind="document").set(self.catalog.index.count(Kind.DOCUMENT))
-
-    async def _vector(self, text: str | None, values, what: str) -> np.ndarray | None:
-        """The embedding of ``text`` (computed on the embedder thread), else the client's
-        ``values`` checked to be a unit vector, else None."""
-        if text is not None:
-            if not text.strip():
-                raise InvalidArgument(f"{what}: text is empty; send the text to embed or leave it unset")
-            vecs = await asyncio.get_running_loop().run_in_executor(self._embed_pool, self.embedder.embed, [text])
-            return vecs[0]
-        if len(values):
-            try:
-                return check_unit_vector(list(values), DIM)
-            except ValueError as err:
-                raise InvalidArgument(f"{what}: {err}") from None
-        return None
-
-    async def sweep_forever(self, interval_s: float) -> None:
-        """Removes expired entries every `interval_s` seconds (reads already treat them as misses;
-        this returns their space). Runs until cancelled."""
-        while True:
-            await asyncio.sleep(interval_s)  # a schedule, not synchronization
-            removed = await self._run(self.store.sweep_expired)
-            if removed:
-                log.info("removed %d expired entries", removed)
-            if await self._run(self.catalog.prune):
-                self._gauges()
-
-    async def _run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        b = self.backend
         keys = _check_keys(request.keys, "Lookup")
-        where = await self._run(self.store.contains_many, keys)
-        tiers = [_TIERS[name] if name else pb.TIER_NONE for name in where]
+        where = await b.run(b.store.contains_many, keys)
+        tiers = [_TIERS[name] if name else pb.TIER_UNSPECIFIED for name in where]
         prefix = next((i for i, name in enumerate(where) if not name), len(where))
-        metrics.record_lookup(len(keys), prefix, request.chunk_tokens)
+        b.metrics.record_lookup(len(keys), prefix, request.chunk_tokens)
         trace.get_current_span().set_attributes({
             "kvmesh.kv.keys": len(keys), "kvmesh.kv.found_chunks": sum(1 for w in where if w),
             "kvmesh.kv.hit_chunks": prefix, "kvmesh.kv.hit_tokens": prefix * request.chunk_tokens})
         return pb.LookupResponse(tiers=tiers, prefix_chunks=prefix,
                                  prefix_tokens=prefix * request.chunk_tokens)
 
+    def _check_header(self, header: pb.PutHeader) -> bytes:
+        """The header's namespace digest, once the header is known to be usable."""
+        _check_keys([header.key], "Put")
+        if header.total_bytes == 0:
+            raise InvalidArgument("Put: total_bytes must be >= 1")
+        if header.total_bytes > self.max_entry_bytes:
+            raise ResourceExhausted(
+                f"Put: entry of {header.total_bytes} bytes exceeds the service's max entry size "
+                f"({self.max_entry_bytes}); use smaller chunks or a denser codec")
+        if header.HasField("ttl_s") and header.ttl_s <= 0:
+            raise InvalidArgument(f"Put: ttl_s must be > 0 seconds, got {header.ttl_s}")
+        return namespace_digest(header, "Put")
+
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
-        header = None
+        b = self.backend
+        header, namespace = None, b""
         parts: list[bytes] = []
         received = 0
         async for msg in request_iterator:
             if header is None:
                 if not msg.HasField("header"):
-                    raise InvalidArgument("Put: the first message must carry the header (key, total_bytes, checksum)")
+                    raise InvalidArgument("Put: the first message must carry the header (key, total_bytes, "
+                                          "checksum, namespace)")
                 header = msg.header
-                _check_keys([header.key], "Put")
-                if header.total_bytes == 0:
-                    raise InvalidArgument("Put: total_bytes must be >= 1")
-                if header.total_bytes > self.max_entry_bytes:
-                    raise ResourceExhausted(
-                        f"Put: entry of {header.total_bytes} bytes exceeds the service's max entry size "
-                        f"({self.max_entry_bytes}); use smaller chunks or a denser codec")
-                if header.HasField("ttl_s") and header.ttl_s <= 0:
-                    raise InvalidArgument(f"Put: ttl_s must be > 0 seconds, got {header.ttl_s}")
+                namespace = self._check_header(header)
                 continue
             if not msg.HasField("data"):
                 raise InvalidArgument("Put: only the first message may carry a header; send data slices after it")
@@ -153,17 +125,23 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
             blob_header = codec.verify(blob)
         except codec.CorruptBlob as err:
             raise InvalidArgument(f"Put: not a valid KV chunk blob ({err}); encode with kvmesh.kv.codec") from err
-        vector = await self._vector(header.text if header.HasField("text") else None, header.embedding, "Put")
+        if blob_header.namespace != namespace:
+            raise InvalidArgument(
+                f"Put: the blob was encoded for namespace {blob_header.namespace.hex()} but the header's namespace "
+                f"has digest {namespace.hex()}; send the KvNamespace whose digest() the chunk was encoded with "
+                "(kvmesh.kv.codec.ChunkMeta.namespace), e.g. with the tenant salt and storage format it was made for")
+        which = header.WhichOneof("index")
+        vector = await b.vector(header.text if which == "text" else None,
+                                header.embedding.values if which == "embedding" else (), "Put")
         ttl = header.ttl_s if header.HasField("ttl_s") else None
         try:
-            await self._run(lambda: self.store.put(header.key, blob, ttl_s=ttl, pinned=header.pinned))
-            if vector is not None:  # namespace from the blob itself: a client cannot file it elsewhere
-                await self._run(self.catalog.index_chunk, header.key, blob_header.namespace, vector,
-                                dict(header.metadata))
-                self._gauges()
+            await b.run(lambda: b.store.put(header.key, blob, ttl_s=ttl, pinned=header.pinned))
+            if vector is not None:
+                await b.run(b.catalog.index_chunk, header.key, namespace, vector, dict(header.metadata))
+                b.update_gauges()
         except (StoreFull, EntryTooLarge) as err:
             raise ResourceExhausted(f"Put: {err}") from err
-        metrics.record_put(len(blob))
+        b.metrics.record_put(len(blob))
         trace.get_current_span().set_attributes({
             "kvmesh.kv.bytes": len(blob), "kvmesh.kv.tokens": blob_header.shape[1],
             "kvmesh.kv.codec": blob_header.codec + ("+zstd" if blob_header.zstd else "")})
@@ -171,123 +149,148 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
 
     def _get_verified(self, keys: list[bytes]) -> list[tuple[bytes | None, str | None]]:
         """Blobs (with the tier that served them); a blob that fails verification is deleted and missed."""
+        b = self.backend
         out: list[tuple[bytes | None, str | None]] = []
-        for key, (blob, tier) in zip(keys, self.store.get_many_with_tier(keys)):
+        for key, (blob, tier) in zip(keys, b.store.get_many_with_tier(keys)):
             if blob is not None:
                 try:
                     codec.verify(blob)
                 except codec.CorruptBlob as err:
                     log.warning("dropping corrupt entry %s from %s: %s", key.hex()[:16], tier, err)
-                    self.store.delete(key)
-                    self.corrupt_entries += 1
+                    b.store.delete(key)
+                    b.corrupt_entries += 1
                     blob = None
             out.append((blob, tier if blob is not None else None))
         return out
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
+        b = self.backend
         keys = _check_keys(request.keys, "Get")
-        found = await self._run(self._get_verified, keys)
-        metrics.record_get(len(keys))
+        found = await b.run(self._get_verified, keys)
+        b.metrics.record_get(len(keys))
         trace.get_current_span().set_attributes({
-            "kvmesh.kv.keys": len(keys), "kvmesh.kv.found_chunks": sum(1 for b, _ in found if b is not None),
-            "kvmesh.kv.bytes": sum(len(b) for b, _ in found if b is not None)})
+            "kvmesh.kv.keys": len(keys), "kvmesh.kv.found_chunks": sum(1 for blob, _ in found if blob is not None),
+            "kvmesh.kv.bytes": sum(len(blob) for blob, _ in found if blob is not None)})
         for key, (blob, tier) in zip(keys, found):
             if blob is None:
-                yield pb.GetResponse(header=pb.GetEntryHeader(key=key, found=False, tier=pb.TIER_NONE))
+                yield pb.GetResponse(header=pb.GetEntryHeader(key=key, found=False))
                 continue
-            metrics.record_read(len(blob))
+            b.metrics.record_read(len(blob))
             yield pb.GetResponse(header=pb.GetEntryHeader(
                 key=key, found=True, total_bytes=len(blob), checksum=transfer.checksum(blob), tier=_TIERS[tier]))
             for part in transfer.slices(blob):
                 yield pb.GetResponse(data=part)
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+        b = self.backend
         keys = _check_keys(request.keys, "Delete")
-        n = await self._run(lambda: sum(self.store.delete(k) for k in keys))
-        await self._run(self.catalog.forget_chunks, keys)
-        self._gauges()
+        n = await b.run(lambda: sum(b.store.delete(k) for k in keys))
+        await b.run(b.catalog.forget_chunks, keys)
+        b.update_gauges()
         return pb.DeleteResponse(deleted=n)
 
     async def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
+        b = self.backend
         keys = _check_keys(request.keys, "Pin")
-        n = await self._run(lambda: sum(self.store.set_pinned(k, request.pinned) for k in keys))
+        n = await b.run(lambda: sum(b.store.set_pinned(k, request.pinned) for k in keys))
         return pb.PinResponse(updated=n)
 
     async def SetTtl(self, request: pb.SetTtlRequest, context) -> pb.SetTtlResponse:
+        b = self.backend
         keys = _check_keys(request.keys, "SetTtl")
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"SetTtl: ttl_s must be > 0 seconds (unset clears the TTL), got {ttl}")
-        n = await self._run(lambda: sum(self.store.set_ttl(k, ttl) for k in keys))
+        n = await b.run(lambda: sum(b.store.set_ttl(k, ttl) for k in keys))
         return pb.SetTtlResponse(updated=n)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        stats = await self._run(self.store.stats)
+        b = self.backend
+        stats = await b.run(b.store.stats)
         return pb.StatsResponse(
             tiers=[pb.TierStats(tier=_TIERS[s.name], entries=s.entries, bytes=s.bytes,
                                 capacity_bytes=s.capacity_bytes, hits=s.hits, misses=s.misses,
                                 evictions=s.evictions) for s in stats],
-            corrupt_entries=self.corrupt_entries, index_chunks=self.catalog.index.count(Kind.CHUNK),
-            index_documents=self.catalog.document_count(), index_stale_dropped=self.catalog.stale_dropped)
+            corrupt_entries=b.corrupt_entries, index_chunks=b.catalog.index.count(Kind.CHUNK),
+            index_documents=b.catalog.document_count(), index_stale_dropped=b.catalog.stale_dropped)
 
-    # -- semantic index and documents ------------------------------------------------------------
+
+class KvCatalogServicer(kvcache_pb2_grpc.KvCatalogServiceServicer):
+    """Thin adapter from kvmesh.kvcache.v1.KvCatalogService (documents, search) to the Backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
 
     async def Search(self, request: pb.SearchRequest, context) -> pb.SearchResponse:
+        b = self.backend
         start = time.perf_counter()
-        metrics.SEARCHES.inc()
+        b.metrics.searches.inc()
         which = request.WhichOneof("query")
         if which is None:
-            raise InvalidArgument("Search: set text (embedded by the service) or vector (384 floats, norm 1)")
-        if request.k > 1000:
-            raise InvalidArgument(f"Search: k must be 1..1000 (0 = 10), got {request.k}")
-        query = await self._vector(request.text if which == "text" else None,
-                                   request.vector.values if which == "vector" else (), "Search")
+            raise InvalidArgument("Search: set text (embedded by the service) or embedding (384 floats, norm 1)")
+        if request.k > MAX_SEARCH_K:
+            raise InvalidArgument(f"Search: k must be 1..{MAX_SEARCH_K} (0 = 10), got {request.k}")
+        namespace = namespace_digest(request, "Search")
+        query = await b.vector(request.text if which == "text" else None,
+                               request.embedding.values if which == "embedding" else (), "Search")
         if query is None:
-            raise InvalidArgument("Search: vector is empty; send 384 floats of L2 norm 1")
-        hits = await self._run(self.catalog.search, request.namespace, query, _KINDS[request.kind], request.k or 10)
-        self._gauges()
-        metrics.SEARCH_SECONDS.observe(time.perf_counter() - start)
+            raise InvalidArgument("Search: embedding is empty; send 384 floats of L2 norm 1")
+        hits = await b.run(b.catalog.search, namespace, query, _KINDS[request.kind], request.k or 10)
+        b.update_gauges()
+        b.metrics.search_seconds.observe(time.perf_counter() - start)
         return pb.SearchResponse(hits=[pb.SearchHit(
             kind=_KIND_PB[h.entry.kind], score=h.score, metadata=h.entry.metadata,
             key=h.entry.id if h.entry.kind is Kind.CHUNK else b"",
             document_id=h.entry.id.decode() if h.entry.kind is Kind.DOCUMENT else "") for h in hits])
 
     async def PutDocument(self, request: pb.PutDocumentRequest, context) -> pb.PutDocumentResponse:
+        b = self.backend
+        namespace = namespace_digest(request, "PutDocument")
         keys = _check_keys(request.chunk_keys, "PutDocument")
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         if ttl is not None and not ttl > 0:
             raise InvalidArgument(f"PutDocument: ttl_s must be > 0 seconds, got {ttl}")
-        if not request.text.strip() and not len(request.embedding):
+        given = request.HasField("embedding")
+        if not request.text.strip() and not given:
             raise InvalidArgument("PutDocument: send text (embedded by the service) or embedding (384 floats, "
                                   "norm 1); a document is found by Search through one of them")
-        vector = await self._vector(None if len(request.embedding) else request.text, request.embedding, "PutDocument")
-        doc = Document(request.namespace, request.document_id, tuple(keys), vector, dict(request.metadata),
+        vector = await b.vector(None if given else request.text, request.embedding.values, "PutDocument")
+        if vector is None:
+            raise InvalidArgument("PutDocument: embedding is empty; send 384 floats of L2 norm 1, or leave it "
+                                  "unset to embed the text")
+        doc = Document(namespace, request.document_id, tuple(keys), vector, dict(request.metadata),
                        request.text, tuple(request.token_ids), request.pinned)
-        await self._run(lambda: self.catalog.put_document(doc, ttl_s=ttl))
-        self._gauges()
+        await b.run(lambda: b.catalog.put_document(doc, ttl_s=ttl))
+        b.update_gauges()
         return pb.PutDocumentResponse(chunks=len(keys))
 
     async def GetDocument(self, request: pb.GetDocumentRequest, context) -> pb.GetDocumentResponse:
-        doc = await self._run(self.catalog.get_document, request.namespace, request.document_id)
+        b = self.backend
+        doc = await b.run(b.catalog.get_document, namespace_digest(request, "GetDocument"), request.document_id)
         return pb.GetDocumentResponse(document=_document_pb(doc, full=True))
 
     async def ListDocuments(self, request: pb.ListDocumentsRequest, context) -> pb.ListDocumentsResponse:
-        docs, token = await self._run(self.catalog.list_documents, request.namespace, request.page_size,
-                                      request.page_token)
+        b = self.backend
+        docs, token = await b.run(b.catalog.list_documents, namespace_digest(request, "ListDocuments"),
+                                  request.page_size, request.page_token)
         return pb.ListDocumentsResponse(documents=[_document_pb(d, full=False) for d in docs], next_page_token=token)
 
     async def DeleteDocument(self, request: pb.DeleteDocumentRequest, context) -> pb.DeleteDocumentResponse:
-        n = await self._run(self.catalog.delete_document, request.namespace, request.document_id)
-        self._gauges()
+        b = self.backend
+        n = await b.run(b.catalog.delete_document, namespace_digest(request, "DeleteDocument"), request.document_id)
+        b.update_gauges()
         return pb.DeleteDocumentResponse(deleted_chunks=n)
 
     async def PinDocument(self, request: pb.PinDocumentRequest, context) -> pb.PinDocumentResponse:
-        await self._run(self.catalog.set_document_pinned, request.namespace, request.document_id, request.pinned)
+        b = self.backend
+        await b.run(b.catalog.set_document_pinned, namespace_digest(request, "PinDocument"), request.document_id,
+                    request.pinned)
         return pb.PinDocumentResponse()
 
     async def SetDocumentTtl(self, request: pb.SetDocumentTtlRequest, context) -> pb.SetDocumentTtlResponse:
+        b = self.backend
         ttl = request.ttl_s if request.HasField("ttl_s") else None
-        await self._run(self.catalog.set_document_ttl, request.namespace, request.document_id, ttl)
+        await b.run(b.catalog.set_document_ttl, namespace_digest(request, "SetDocumentTtl"), request.document_id, ttl)
         return pb.SetDocumentTtlResponse()
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 import grpc
 
 from kvmesh import errors
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.services.router.placement import Load
 from kvmesh.services.router.topology import Replica
@@ -104,7 +105,7 @@ class EngineBackend:
     async def probe(self, token_ids: Sequence[int], cache_salt: str,
                     timeout: float) -> Load | None:
         """The replica's cached prefix and load; None when it has no Probe (older engine)."""
-        request = engine_pb2.ProbeRequest(token_ids=engine_pb2.TokenIds(ids=token_ids),
+        request = engine_pb2.ProbeRequest(token_ids=common_pb2.TokenIds(ids=token_ids),
                                           cache_salt=cache_salt)
         try:
             r = await self._stub.Probe(request, timeout=timeout)

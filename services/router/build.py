@@ -6,6 +6,7 @@ import httpx
 from kvmesh.rpc.client import make_channel
 from kvmesh.services.router.backends import Backend, EngineBackend
 from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_backend import OpenAIBackend
 from kvmesh.services.router.placement import TierState
 from kvmesh.services.router.pool import PlacementKnobs, TierPool
@@ -26,16 +27,17 @@ def build_backend(replica: Replica, cfg: RouterConfig) -> Backend:
     return OpenAIBackend(replica, httpx.AsyncClient(), cfg.openai_api_key)
 
 
-def build_router(cfg: RouterConfig) -> Router:
-    """Everything the servicer needs; channels connect lazily, on the first call."""
+def build_router(cfg: RouterConfig, metrics: RouterMetrics) -> Router:
+    """Everything the servicer needs, counting into `metrics`; channels connect lazily, on the
+    first call."""
     topology = cfg.topology
     knobs = PlacementKnobs(cfg.policy, cfg.probe_timeout_s, cfg.load_weight,
                            cfg.generate_timeout_s)
     pools = {
         tier.name: TierPool(tier, [build_backend(r, cfg) for r in tier.replicas], knobs,
-                            TierState([r.label for r in tier.replicas], cfg.down_backoff_s))
+                            TierState([r.label for r in tier.replicas], cfg.down_backoff_s), metrics)
         for tier in topology.tiers}
-    return Router(topology, pools,
+    return Router(topology, pools, metrics,
                   CascadeKnobs(cfg.cascade_signal, cfg.cascade_threshold,
                                cfg.difficulty_prompt_tokens),
                   info_timeout_s=cfg.info_timeout_s)

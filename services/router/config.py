@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.rpc.server import ServerSettings
 from kvmesh.services.router.topology import CASCADES_HELP, TIERS_HELP, Topology, parse_topology
 
 Policy = Literal["kv_aware", "round_robin", "least_loaded"]
@@ -16,11 +17,7 @@ class RouterConfig:
     """The router service: places each request on a tier (cascade, difficulty, or the one the
     client names) and on a replica of it (KV-cache-aware, round-robin or least-loaded)."""
 
-    host: str = setting("127.0.0.1", "Address the gRPC server binds (loopback by default).")
-    port: int = setting(50081, "gRPC port; 0 picks a free one (printed at start).",
-                        min=0, max=65535)
-    metrics_port: int = setting(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.",
-                                min=-1, max=65535)
+    server: ServerSettings = ServerSettings(port=50081)
     tiers: str = setting("default=127.0.0.1:50061", TIERS_HELP)
     cascades: str = setting("", CASCADES_HELP)
     default_model: str = setting(
@@ -58,11 +55,6 @@ class RouterConfig:
         2.0, "Deadline of the model-info calls ListModels makes (answers are cached).", min=0.01)
     openai_api_key: str = setting(
         "", "Bearer key sent to OpenAI-compatible replicas; empty sends none.", secret=True)
-    grace_s: float = setting(10.0, "Seconds in-flight requests get to finish on SIGTERM.",
-                             min=0.0)
-    otlp_endpoint: Optional[str] = setting(
-        None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables "
-              "export.")
 
     def validate(self) -> None:
         self.topology  # parses both specs; raises ConfigError with the fix

@@ -1,34 +1,44 @@
 """Router Prometheus metrics: where requests went and why, and what the cascade decided."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvmesh.metrics import metric_name
 
-REQUESTS = Counter(
-    metric_name("router", "requests"),
-    "Engine calls the router made, by tier, replica, placement policy (failover for a retry on "
-    "the next replica) and final status code.", ["tier", "replica", "policy", "code"])
-CASCADE_DECISIONS = Counter(
-    metric_name("router", "cascade_decisions"),
-    "Cascade steps by route, tier and reason (confident, low_confidence, difficulty, last_tier, "
-    "tier_failed).", ["route", "tier", "reason"])
-PLACEMENT_CACHED_TOKENS = Histogram(
-    metric_name("router", "placement_cached_tokens"),
-    "Prompt tokens the chosen replica reported cached when the request was placed.", ["tier"],
-    buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536))
-PROBE_SECONDS = Histogram(
-    metric_name("router", "probe_seconds"), "Time to probe all replicas of a tier.", ["tier"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0))
-PROBE_FAILURES = Counter(
-    metric_name("router", "probe_failures"), "Replica probes that failed, by status code.",
-    ["tier", "replica", "code"])
-REPLICA_DOWN = Counter(
-    metric_name("router", "replica_marked_down"),
-    "Times a replica was marked down (skipped for the back-off period).", ["tier", "replica"])
-GENERATED_TOKENS = Counter(
-    metric_name("router", "generated_tokens"),
-    "Tokens generated per tier, kept or not (a cascade's discarded answers included).", ["tier"])
-COST = Counter(
-    metric_name("router", "cost"),
-    "Generated tokens times the tier's cost per token, kept or not.", ["tier"])
+
+class RouterMetrics:
+    """The router's metrics, registered in its registry (one set per registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            metric_name("router", "requests"),
+            "Engine calls the router made, by tier, replica, placement policy (failover for a "
+            "retry on the next replica) and final status code.",
+            ["tier", "replica", "policy", "code"], registry=registry)
+        self.cascade_decisions = Counter(
+            metric_name("router", "cascade_decisions"),
+            "Cascade steps by route, tier and reason (confident, low_confidence, difficulty, "
+            "last_tier, tier_failed).", ["route", "tier", "reason"], registry=registry)
+        self.placement_cached_tokens = Histogram(
+            metric_name("router", "placement_cached_tokens"),
+            "Prompt tokens the chosen replica reported cached when the request was placed.",
+            ["tier"], buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536), registry=registry)
+        self.probe_seconds = Histogram(
+            metric_name("router", "probe_seconds"), "Time to probe all replicas of a tier.",
+            ["tier"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=registry)
+        self.probe_failures = Counter(
+            metric_name("router", "probe_failures"), "Replica probes that failed, by status code.",
+            ["tier", "replica", "code"], registry=registry)
+        self.replica_down = Counter(
+            metric_name("router", "replica_marked_down"),
+            "Times a replica was marked down (skipped for the back-off period).",
+            ["tier", "replica"], registry=registry)
+        self.generated_tokens = Counter(
+            metric_name("router", "generated_tokens"),
+            "Tokens generated per tier, kept or not (a cascade's discarded answers included).",
+            ["tier"], registry=registry)
+        self.cost = Counter(
+            metric_name("router", "cost"),
+            "Generated tokens times the tier's cost per token, kept or not.", ["tier"],
+            registry=registry)

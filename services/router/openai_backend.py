@@ -59,7 +59,7 @@ def completion_body(request: engine_pb2.GenerateRequest, model: str, prompt: str
     return body
 
 
-def _logprobs(lp: dict | None) -> list[engine_pb2.TokenLogprobs]:
+def _logprobs(lp: dict | None) -> list[common_pb2.TokenLogprobs]:
     if not lp:
         return []
     tokens = lp.get("tokens") or []
@@ -68,7 +68,7 @@ def _logprobs(lp: dict | None) -> list[engine_pb2.TokenLogprobs]:
     out = []
     for token, value, top in zip(tokens, chosen, tops):
         alternatives = sorted((top or {}).items(), key=lambda kv: -kv[1])
-        out.append(engine_pb2.TokenLogprobs(
+        out.append(common_pb2.TokenLogprobs(
             chosen=common_pb2.TokenLogprob(logprob=value if value is not None else 0.0,
                                            text=token),
             top=[common_pb2.TokenLogprob(logprob=v, text=t) for t, v in alternatives]))
@@ -133,8 +133,8 @@ class OpenAIBackend:
                         text, logprobs = choice.get("text") or "", _logprobs(choice.get("logprobs"))
                         if text or logprobs:
                             chunks += 1
-                            yield engine_pb2.GenerateResponse(request_id=rid, text=text,
-                                                              logprobs=logprobs)
+                            yield engine_pb2.GenerateResponse(request_id=rid, delta=engine_pb2.Delta(
+                                text=text, logprobs=logprobs))
         except httpx.TimeoutException as e:
             raise self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out ({e!r})") from None
         except (httpx.HTTPError, json.JSONDecodeError) as e:

@@ -27,7 +27,7 @@ import grpc
 
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import KvmeshError, Unavailable
-from kvmesh.services.router import metrics
+from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.backends import Backend, BackendError, ModelInfo
 from kvmesh.services.router.placement import Candidate, Choice, Load, TierState, rank
 from kvmesh.services.router.prompts import probe_ids, prompt_tokens
@@ -64,8 +64,9 @@ class TierPool:
     """The replicas of one tier and the state placement keeps about them."""
 
     def __init__(self, tier: Tier, backends: Sequence[Backend], knobs: PlacementKnobs,
-                 state: TierState) -> None:
+                 state: TierState, metrics: RouterMetrics) -> None:
         self.tier = tier
+        self.metrics = metrics
         self.knobs = knobs
         self.backends: Mapping[str, Backend] = {b.replica.label: b for b in backends}
         self.state = state
@@ -73,7 +74,7 @@ class TierPool:
 
     def _mark_down(self, replica: str, why: str) -> None:
         self.state.mark_down(replica, why)
-        metrics.REPLICA_DOWN.labels(self.tier.name, replica).inc()
+        self.metrics.replica_down.labels(self.tier.name, replica).inc()
 
     def _healthy(self) -> list[str]:
         healthy = self.state.healthy()
@@ -89,7 +90,7 @@ class TierPool:
         try:
             return await backend.probe(ids, salt, self.knobs.probe_timeout_s)
         except BackendError as e:
-            metrics.PROBE_FAILURES.labels(self.tier.name, replica, e.code.name).inc()
+            self.metrics.probe_failures.labels(self.tier.name, replica, e.code.name).inc()
             if e.replica_down:
                 self._mark_down(replica, f"probe: {e.message}")
             return None
@@ -104,7 +105,7 @@ class TierPool:
             started = time.perf_counter()
             answers = await asyncio.gather(*(self._probe(r, ids, request.cache_salt)
                                              for r in healthy))
-            metrics.PROBE_SECONDS.labels(self.tier.name).observe(time.perf_counter() - started)
+            self.metrics.probe_seconds.labels(self.tier.name).observe(time.perf_counter() - started)
             probes = dict(zip(healthy, answers))
             healthy = self._healthy()
         candidates = [Candidate(r, self.state.in_flight[r], probes.get(r)) for r in healthy]
@@ -143,7 +144,7 @@ class TierPool:
                         self._mark_down(replica, e.message)
                     failures.append(e)
                     continue
-                metrics.PLACEMENT_CACHED_TOKENS.labels(self.tier.name).observe(
+                self.metrics.placement_cached_tokens.labels(self.tier.name).observe(
                     ranked.cached_tokens)
                 yield Opened(self.tier.name, replica, policy, ranked.cached_tokens, first, stream)
                 return
@@ -156,7 +157,7 @@ class TierPool:
             finally:
                 await stream.aclose()
                 self.state.end(replica)
-                metrics.REQUESTS.labels(self.tier.name, replica, policy, code.name).inc()
+                self.metrics.requests.labels(self.tier.name, replica, policy, code.name).inc()
         raise _exhausted(self.tier.name, failures)
 
     async def model_info(self, timeout: float) -> ModelInfo | None:

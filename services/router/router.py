@@ -16,13 +16,29 @@ from opentelemetry import trace
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import InvalidArgument, KvmeshError, NotFound
 from kvmesh.router.v1 import router_pb2
-from kvmesh.services.router import cascade, metrics
+from kvmesh.services.router import cascade
+from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.backends import BackendError
 from kvmesh.services.router.pool import Opened, TierPool, new_request_id
 from kvmesh.services.router.prompts import prompt_tokens
 from kvmesh.services.router.topology import Cascade, Topology
 
 log = logging.getLogger(__name__)
+
+_POLICIES = {"kv_aware": router_pb2.PLACEMENT_POLICY_KV_AWARE,
+             "round_robin": router_pb2.PLACEMENT_POLICY_ROUND_ROBIN,
+             "least_loaded": router_pb2.PLACEMENT_POLICY_LEAST_LOADED,
+             "failover": router_pb2.PLACEMENT_POLICY_FAILOVER}
+_SIGNALS = {"": router_pb2.CONFIDENCE_SIGNAL_UNSPECIFIED,
+            "mean_logprob": router_pb2.CONFIDENCE_SIGNAL_MEAN_LOGPROB,
+            "min_logprob": router_pb2.CONFIDENCE_SIGNAL_MIN_LOGPROB,
+            "neg_entropy": router_pb2.CONFIDENCE_SIGNAL_NEG_ENTROPY}
+_REASONS = {"confident": router_pb2.CASCADE_REASON_CONFIDENT,
+            "low_confidence": router_pb2.CASCADE_REASON_LOW_CONFIDENCE,
+            "difficulty": router_pb2.CASCADE_REASON_DIFFICULTY,
+            "last_tier": router_pb2.CASCADE_REASON_LAST_TIER,
+            "tier_failed": router_pb2.CASCADE_REASON_TIER_FAILED}
+
 
 @dataclass(frozen=True)
 class CascadeKnobs:
@@ -35,17 +51,19 @@ class CascadeKnobs:
 
 def token_scores(messages: Sequence[engine_pb2.GenerateResponse]) -> list[cascade.TokenScore]:
     return [cascade.TokenScore(lp.chosen.logprob, tuple(t.logprob for t in lp.top))
-            for m in messages for lp in m.logprobs]
+            for m in messages for lp in m.delta.logprobs]
 
 
 def strip_logprobs(messages: Sequence[engine_pb2.GenerateResponse],
                    client_logprobs: int | None) -> None:
     """Drop the log-probabilities the router forced on and the client did not ask for."""
     for m in messages:
-        if client_logprobs is None:
-            del m.logprobs[:]
+        if not m.HasField("delta"):
             continue
-        for lp in m.logprobs:
+        if client_logprobs is None:
+            del m.delta.logprobs[:]
+            continue
+        for lp in m.delta.logprobs:
             del lp.top[client_logprobs:]
 
 
@@ -53,25 +71,26 @@ def _completion_tokens(messages: Sequence[engine_pb2.GenerateResponse]) -> int:
     for m in reversed(messages):
         if m.HasField("final"):
             return m.final.usage.completion_tokens
-    return sum(max(len(m.token_ids), len(m.logprobs)) for m in messages)
+    return sum(max(len(m.delta.token_ids), len(m.delta.logprobs)) for m in messages)
 
 
 def _info(opened: Opened, steps: Sequence[cascade.Step] = ()) -> router_pb2.RouteInfo:
     return router_pb2.RouteInfo(
-        tier=opened.tier, replica=opened.replica, policy=opened.policy,
+        tier=opened.tier, replica=opened.replica, policy=_POLICIES[opened.policy],
         expected_cached_tokens=opened.expected_cached_tokens,
         cascade=[router_pb2.CascadeStep(
-            tier=s.tier, signal=s.signal, confidence=s.confidence, threshold=s.threshold,
-            accepted=s.accepted, reason=s.reason, completion_tokens=s.completion_tokens)
+            tier=s.tier, signal=_SIGNALS[s.signal], confidence=s.confidence, threshold=s.threshold,
+            accepted=s.accepted, reason=_REASONS[s.reason], completion_tokens=s.completion_tokens)
             for s in steps])
 
 
 class Router:
     """Runs requests on the tiers and cascade routes of one topology."""
 
-    def __init__(self, topology: Topology, pools: Mapping[str, TierPool],
+    def __init__(self, topology: Topology, pools: Mapping[str, TierPool], metrics: RouterMetrics,
                  knobs: CascadeKnobs = CascadeKnobs(), info_timeout_s: float = 2.0) -> None:
         self.topology = topology
+        self.metrics = metrics
         self.pools = pools
         self.knobs = knobs
         self.info_timeout_s = info_timeout_s
@@ -135,8 +154,8 @@ class Router:
         self._account(opened.tier, _completion_tokens(live))
 
     def _account(self, tier: str, tokens: int) -> None:
-        metrics.GENERATED_TOKENS.labels(tier).inc(tokens)
-        metrics.COST.labels(tier).inc(tokens * self.pools[tier].tier.cost_per_token)
+        self.metrics.generated_tokens.labels(tier).inc(tokens)
+        self.metrics.cost.labels(tier).inc(tokens * self.pools[tier].tier.cost_per_token)
 
     async def _tier(self, tier: str, request: engine_pb2.GenerateRequest,
                     prompt_text: str) -> AsyncIterator[router_pb2.RouteResponse]:
@@ -197,7 +216,7 @@ class Router:
         """Count the route's decisions and put them on the current span."""
         span = trace.get_current_span()
         for s in steps:
-            metrics.CASCADE_DECISIONS.labels(route.name, s.tier, s.reason).inc()
+            self.metrics.cascade_decisions.labels(route.name, s.tier, s.reason).inc()
             span.add_event("kvmesh.cascade.step", {
                 "kvmesh.cascade.tier": s.tier, "kvmesh.cascade.signal": s.signal,
                 "kvmesh.cascade.confidence": s.confidence,
@@ -218,7 +237,8 @@ class Router:
             *(self.pools[n].model_info(self.info_timeout_s) for n in names))))
         cards = [router_pb2.ModelCard(
             id=n, root=infos[n].root if infos[n] else "",
-            max_model_len=infos[n].max_model_len if infos[n] else 0, kind="tier", tiers=[n])
+            max_model_len=infos[n].max_model_len if infos[n] else 0,
+            kind=router_pb2.MODEL_KIND_TIER, tiers=[n])
             for n in names]
         for c in self.topology.cascades:
             known = [infos[t] for t in c.tiers]
@@ -226,7 +246,7 @@ class Router:
             max_len = (min(i.max_model_len for i in known)
                        if all(i and i.max_model_len for i in known) else 0)
             cards.append(router_pb2.ModelCard(id=c.name, root=first.root if first else "",
-                                              max_model_len=max_len, kind="cascade",
+                                              max_model_len=max_len, kind=router_pb2.MODEL_KIND_CASCADE,
                                               tiers=list(c.tiers)))
         return cards
 

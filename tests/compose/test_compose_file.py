@@ -90,19 +90,19 @@ def test_every_kvmesh_service_and_the_trace_pipeline_are_there(services):
 
 def test_commands_are_valid_configs_binding_every_interface(configs):
     for name, cfg in configs.items():
-        assert cfg.host == "0.0.0.0", name        # reachable from the other containers
-        assert cfg.otlp_endpoint == COLLECTOR_ENDPOINT, name
+        assert cfg.server.host == "0.0.0.0", name        # reachable from the other containers
+        assert cfg.server.otlp_endpoint == COLLECTOR_ENDPOINT, name
     assert configs["gateway"].http_host == "0.0.0.0"
 
 
 def test_services_reach_each_other_by_service_name_and_configured_port(configs):
     kv, draft, engine, router, gateway = (configs[n] for n in KVMESH)
-    assert engine.kvcache_address == f"kvcache:{kv.port}"
-    assert engine.draft_address == f"draft:{draft.port}"
+    assert engine.kvcache_address == f"kvcache:{kv.server.port}"
+    assert engine.draft_address == f"draft:{draft.server.port}"
     [tier] = router.topology.tiers
     assert tier.name == engine.served_name          # what clients ask for by name
-    assert [(r.kind, r.address) for r in tier.replicas] == [("engine", f"engine:{engine.port}")]
-    assert gateway.router_address == f"router:{router.port}"
+    assert [(r.kind, r.address) for r in tier.replicas] == [("engine", f"engine:{engine.server.port}")]
+    assert gateway.router_address == f"router:{router.server.port}"
 
 
 def test_same_topology_as_kvmesh_up(services, configs):
@@ -111,7 +111,7 @@ def test_same_topology_as_kvmesh_up(services, configs):
     for spec in stack_services(StackPlan(), Path("/data")):
         service = services[spec.name]
         assert service["command"][2] == spec.module
-        assert configs[spec.name].port == spec.port
+        assert configs[spec.name].server.port == spec.port
         env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
         assert env.get("OMP_NUM_THREADS") == dict(spec.env).get("OMP_NUM_THREADS"), spec.name
         if spec.http_port is not None:
@@ -124,7 +124,7 @@ def test_every_kvmesh_service_has_a_grpc_health_probe_on_its_own_port(services, 
     for name in KVMESH:
         check = services[name]["healthcheck"]
         assert check["test"] == ["CMD", "python", "-m", "kvmesh.healthcheck",
-                                 f"127.0.0.1:{configs[name].port}"], name
+                                 f"127.0.0.1:{configs[name].server.port}"], name
         assert {"interval", "timeout", "retries", "start_period"} <= set(check), name
 
 
@@ -155,7 +155,7 @@ def test_only_the_gateway_and_the_trace_ui_are_published_on_loopback(services, c
     published = {name: _published(s) for name, s in services.items() if s.get("ports")}
     assert set(published) == {"gateway", "jaeger"}
     gateway = configs["gateway"]
-    assert sorted(published["gateway"]) == sorted([("127.0.0.1", gateway.http_port), ("127.0.0.1", gateway.port)])
+    assert sorted(published["gateway"]) == sorted([("127.0.0.1", gateway.http_port), ("127.0.0.1", gateway.server.port)])
     assert published["jaeger"] == [("127.0.0.1", 16686)]
     assert all("network_mode" not in s for s in services.values())
 

@@ -80,7 +80,7 @@ async def test_grpc_chat_with_documents_reports_on_the_last_message(gateway):
     async with grpc.aio.insecure_channel(gateway.grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         request = pb.ChatCompleteRequest(
-            model=MODEL, messages=[pb.ChatMessage(role="user", content="What is X?")],
+            model=MODEL, messages=[pb.ChatMessage(role=pb.ROLE_USER, content="What is X?")],
             documents=[pb.Document(text="X is a letter."), pb.Document(id="cat-7")],
             retrieve=pb.Retrieve(top_k=2, query="letters"), recompute_ratio=0.5)
         chunks = [c async for c in stub.ChatComplete(request)]
@@ -92,11 +92,11 @@ async def test_grpc_chat_with_documents_reports_on_the_last_message(gateway):
         g = gateway.state.calls[0].request.request
         assert g.parts.parts[5].retrieve.query == "letters"
         plain = [c async for c in stub.ChatComplete(pb.ChatCompleteRequest(
-            model=MODEL, messages=[pb.ChatMessage(role="user", content="hi")]))]
+            model=MODEL, messages=[pb.ChatMessage(role=pb.ROLE_USER, content="hi")]))]
         assert not plain[-1].HasField("documents")
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.ChatComplete(pb.ChatCompleteRequest(
-                model=MODEL, messages=[pb.ChatMessage(role="user", content="hi")],
+                model=MODEL, messages=[pb.ChatMessage(role=pb.ROLE_USER, content="hi")],
                 retrieve=pb.Retrieve(top_k=0))).read()
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "retrieve.top_k" in e.value.details()

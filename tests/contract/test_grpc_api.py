@@ -8,10 +8,11 @@ import grpc
 import pytest
 
 from gateway_utils import MAX_MODEL_LEN, MODEL, WORDS
+from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2 as pb
 from kvmesh.gateway.v1 import gateway_pb2_grpc
 
-HI = [pb.ChatMessage(role="user", content="hi")]
+HI = [pb.ChatMessage(role=pb.ROLE_USER, content="hi")]
 
 
 @pytest.fixture
@@ -35,10 +36,10 @@ async def test_chat_complete_streams_deltas_then_usage(stub, gateway):
     chunks = await _collect(stub.ChatComplete(pb.ChatCompleteRequest(
         model=MODEL, messages=HI, options=pb.GenerationOptions(temperature=0))))
     deltas = [c.choices[0] for c in chunks if c.choices]
-    assert deltas[0].role == "assistant" and all(d.role == "" for d in deltas[1:])
+    assert deltas[0].role == pb.ROLE_ASSISTANT and not any(d.HasField("role") for d in deltas[1:])
     assert "".join(d.text for d in deltas) == "".join(WORDS)
     assert [t for d in deltas for t in d.token_ids] == [2000 + i for i in range(len(WORDS))]
-    assert deltas[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert deltas[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     assert not any(d.HasField("finish_reason") for d in deltas[:-1])
     last = chunks[-1]
     assert not last.choices and last.HasField("usage")
@@ -61,7 +62,7 @@ async def test_complete_with_n_stop_logprobs_and_echo(stub, gateway):
         assert deltas[0].echo.text == "ab" and list(deltas[0].echo.token_ids) == [97, 98]
         assert [e.chosen.text for e in deltas[0].echo.logprobs] == ["b"]  # from the 2nd token
         assert "".join(d.text for d in deltas) == f" Seed{7 + i} from"
-        assert deltas[-1].finish_reason == pb.FINISH_REASON_STOP
+        assert deltas[-1].finish_reason == common_pb2.FINISH_REASON_STOP
         lps = [e for d in deltas for e in d.logprobs]
         assert lps[0].chosen.logprob == -0.25 and len(lps[0].top) == 1
     assert chunks[-1].usage.prompt_tokens == 2
@@ -69,15 +70,17 @@ async def test_complete_with_n_stop_logprobs_and_echo(stub, gateway):
 
 async def test_token_id_prompt_and_length(stub, gateway):
     chunks = await _collect(stub.Complete(pb.CompleteRequest(
-        model=MODEL, token_ids=pb.TokenIds(ids=[104, 105]),
+        model=MODEL, token_ids=common_pb2.TokenIds(ids=[104, 105]),
         options=pb.GenerationOptions(max_tokens=2))))
-    assert chunks[-2].choices[0].finish_reason == pb.FINISH_REASON_LENGTH
+    assert chunks[-2].choices[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert gateway.state.calls[0].request.prompt_text == "hi"
 
 
 @pytest.mark.parametrize("request_, code, words", [
     (pb.ChatCompleteRequest(model="nope", messages=HI), grpc.StatusCode.NOT_FOUND, "nope"),
     (pb.ChatCompleteRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+    (pb.ChatCompleteRequest(model=MODEL, messages=[pb.ChatMessage(content="hi")]),
+     grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role must be one of ROLE_SYSTEM"),
     (pb.ChatCompleteRequest(model=MODEL, messages=HI, options=pb.GenerationOptions(temperature=5)),
      grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (pb.ChatCompleteRequest(model=MODEL, messages=HI, options=pb.GenerationOptions(max_tokens=999)),

@@ -4,11 +4,11 @@ from __future__ import annotations
 import threading
 
 import httpx
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from gateway_utils import MODEL
-from kvmesh.telemetry import setup_telemetry
 
 class _Exporter(InMemorySpanExporter):
     """Also signals when the HTTP request's span ends (it ends after the response is sent)."""
@@ -30,7 +30,8 @@ CALLER_SPAN = "00f067aa0ba902b7"
 
 def test_http_span_context_reaches_the_router_call(gateway):
     exporter = _Exporter("POST /v1/chat/completions")
-    provider = setup_telemetry("kvmesh-gateway-test", span_exporter=exporter)
+    processor = SimpleSpanProcessor(exporter)
+    gateway.telemetry.tracer_provider.add_span_processor(processor)  # the gateway's spans
     try:
         r = httpx.post(f"{gateway.base_url}/chat/completions",
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
@@ -39,7 +40,7 @@ def test_http_span_context_reaches_the_router_call(gateway):
         sent = gateway.state.calls[0].metadata["traceparent"]
         assert sent.split("-")[1] == TRACE_ID  # the client's trace continues upstream
         assert exporter.seen.wait(5)
-        # (the fake router runs in this process too: its SERVER span has the same name)
+        # (the fake router runs in this process too, tracing to a provider of its own)
         spans = {(s.name, s.kind): s for s in exporter.get_finished_spans()}
         server = spans["POST /v1/chat/completions", SpanKind.SERVER]
         client = spans["/kvmesh.router.v1.RouterService/Generate", SpanKind.CLIENT]
@@ -57,16 +58,17 @@ def test_http_span_context_reaches_the_router_call(gateway):
         assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
         assert not any(k in server.attributes for k in ("gen_ai.prompt", "gen_ai.completion"))
     finally:
-        provider.shutdown()
+        processor.shutdown()
 
 
 def test_content_is_recorded_only_when_the_operator_opts_in():
     from gateway_utils import GatewayHarness
 
     exporter = _Exporter("POST /v1/chat/completions")
-    provider = setup_telemetry("kvmesh-gateway-test", span_exporter=exporter)
+    processor = SimpleSpanProcessor(exporter)
     try:
         with GatewayHarness(trace_content=True) as gw:
+            gw.telemetry.tracer_provider.add_span_processor(processor)
             r = httpx.post(f"{gw.base_url}/chat/completions",
                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}, timeout=10)
             assert r.status_code == 200
@@ -76,4 +78,4 @@ def test_content_is_recorded_only_when_the_operator_opts_in():
         assert "hi there" in server.attributes["gen_ai.prompt"][0]
         assert list(server.attributes["gen_ai.completion"]) == [r.json()["choices"][0]["message"]["content"]]
     finally:
-        provider.shutdown()
+        processor.shutdown()

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from kvmesh import launcher
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.model.loader import load_tokenizer
 
@@ -21,7 +22,7 @@ PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand
 def _request(tok, speculation) -> engine_pb2.GenerateRequest:
     text = f"Repeat this text exactly, twice:\n\n{PASSAGE}"
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    return engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=ids), speculation=speculation,
+    return engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=ids), speculation=speculation,
                                       sampling=engine_pb2.SamplingParams(max_tokens=80, temperature=0.0))
 
 
@@ -29,7 +30,7 @@ def _generate(address: str, req, on_token=None) -> tuple[list[int], engine_pb2.F
     tokens, final = [], None
     with grpc.insecure_channel(address) as ch:
         for msg in engine_pb2_grpc.EngineServiceStub(ch).Generate(req, timeout=300):
-            tokens.extend(msg.token_ids)
+            tokens.extend(msg.delta.token_ids)
             if on_token is not None:
                 on_token(len(tokens))
             if msg.HasField("final"):

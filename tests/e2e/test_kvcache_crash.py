@@ -12,12 +12,14 @@ import torch
 
 from kvmesh import launcher
 from kvmesh.kv import codec
-from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
+from kvmesh.kv.keys import prefix_keys
+from kvmesh.kv.namespace import KvLayout, KvNamespace
+from kvmesh.kv.transfer import put_requests
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
-from kvmesh.kv.transfer import put_requests
 
-NS = make_namespace("crash-test", KvLayout(4, 2, 64, "float32"))
+NAMESPACE = KvNamespace("crash-test", KvLayout(4, 2, 64, "float32"))
+NS = NAMESPACE.digest()
 CHUNK = 64
 
 
@@ -49,7 +51,7 @@ def test_sigkill_during_writes_loses_no_acknowledged_entry(tmp_path):
             for i in range(10_000):
                 key, blob = blob_for(i)
                 try:
-                    stub.Put(put_requests(key, blob), timeout=10)
+                    stub.Put(put_requests(key, blob, NAMESPACE), timeout=10)
                 except grpc.RpcError:
                     return  # the service died under this Put: not acknowledged
                 acked.append(i)

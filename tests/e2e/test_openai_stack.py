@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from kvmesh import launcher
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,7 @@ def test_bad_requests_get_openai_errors(client):
 def _engine_load(address: str) -> engine_pb2.ProbeResponse:
     with grpc.insecure_channel(address) as ch:
         return engine_pb2_grpc.EngineServiceStub(ch).Probe(
-            engine_pb2.ProbeRequest(token_ids=engine_pb2.TokenIds(ids=[1])), timeout=5)
+            engine_pb2.ProbeRequest(token_ids=common_pb2.TokenIds(ids=[1])), timeout=5)
 
 
 def test_client_disconnect_frees_the_engine_slot_promptly(stack, client):

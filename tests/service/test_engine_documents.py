@@ -19,6 +19,7 @@ from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.build import build_core
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.documents import CatalogDocument, InlineDocument, Retrieval, Tokens
+from kvmesh.services.engine.ingest import IngestRequest
 from kvmesh.services.kvcache.config import KvcacheConfig
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ CHUNK = 32
 
 @pytest.fixture
 async def kv(tmp_path):
-    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", disk_map_bytes=256 << 20, max_entry_bytes=32 << 20)
+    cfg = KvcacheConfig(data_dir=tmp_path / "lmdb", disk_map_bytes=256 << 20, max_entry_bytes=32 << 20)
     async with serving(cfg, embedder=WordEmbedder()) as served:
         yield served
 
@@ -139,10 +140,10 @@ async def test_catalog_ingest_cite_and_retrieve(bundled_model, kv, texts):
             "rivers": "Rivers carry water from the mountains down to the sea through valleys.",
             "python": tok.decode(texts["a"])}
     for doc_id, text in docs.items():
-        tokens, chunks, reused = await eng.ingest_document(doc_id, tok.encode(text), text, metadata={"k": doc_id})
-        assert reused == 0 and chunks == len(document_chunks(tok.encode(text), CHUNK, b"\0" * 16))
-    again = await eng.ingest_document("python", tok.encode(docs["python"]), docs["python"])
-    assert again[2] == again[1]  # every chunk already stored: nothing computed again
+        got = await eng.ingest_document(IngestRequest(doc_id, tok.encode(text), text, metadata={"k": doc_id}))
+        assert got.reused_chunks == 0 and got.chunks == len(document_chunks(tok.encode(text), CHUNK, b"\0" * 16))
+    again = await eng.ingest_document(IngestRequest("python", tok.encode(docs["python"]), docs["python"]))
+    assert again.reused_chunks == again.chunks  # every chunk already stored: nothing computed again
 
     head, q = tuple(texts["head1"]), tuple(tok.encode("\nSummarize."))
     _, cited = await run(eng, parts=[Tokens(head), CatalogDocument("python"), Tokens(q)])

@@ -25,7 +25,7 @@ CHUNK = 32
 
 @pytest.fixture
 async def kv_address(tmp_path):
-    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", disk_map_bytes=256 << 20, max_entry_bytes=32 << 20)
+    cfg = KvcacheConfig(data_dir=tmp_path / "lmdb", disk_map_bytes=256 << 20, max_entry_bytes=32 << 20)
     async with serving(cfg) as served:
         yield served.address
 
@@ -108,13 +108,14 @@ async def test_bad_blob_is_a_miss_and_is_deleted(bundled_model, kv_address, prom
     first = engine(bundled_model, kv_address, kv_codec="fp16")  # fp16: outputs comparable token for token
     cold_tokens, _ = await run(first, prompt)
     assert await flushed(first)
-    plan = await first.core.kv.prepare(prompt, b"")
+    plan = await first.core.kv.prepare(prompt, first.preparer.namespace(""))
+    ns = plan.namespace.digest()
     await close(first)
     # Overwrite chunk 1 with an intact blob that claims other tokens (a bad writer / collision).
-    k, v, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=plan.namespace)
-    forged = codec.encode(k, v, codec.ChunkMeta(plan.namespace, tuple(t + 1 for t in header.token_ids)),
+    k, v, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=ns)
+    forged = codec.encode(k, v, codec.ChunkMeta(ns, tuple(t + 1 for t in header.token_ids)),
                           codec.CodecSpec("fp16", zstd=False))
-    await put(kv_address, plan.keys[1], forged)
+    await put(kv_address, plan.keys[1], forged, plan.namespace)
 
     second = engine(bundled_model, kv_address, kv_codec="fp16")
     tokens, final = await run(second, prompt)
@@ -122,7 +123,7 @@ async def test_bad_blob_is_a_miss_and_is_deleted(bundled_model, kv_address, prom
     assert second.core.kv.stats.bad_blobs == 1 and tokens == cold_tokens
     # The forged entry is gone: the second engine recomputed chunks 1-2 and stored them correctly.
     assert await flushed(second) and second.core.kv.stats.exported_chunks == 2
-    _, _, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=plan.namespace)
+    _, _, header = codec.decode(await fetch(kv_address, plan.keys[1]), namespace=ns)
     assert header.token_ids == tuple(prompt[CHUNK:2 * CHUNK])
     await close(second)
 
@@ -134,11 +135,11 @@ async def fetch(address: str, key: bytes) -> bytes:
     return b"".join(parts)
 
 
-async def put(address: str, key: bytes, blob: bytes) -> None:
+async def put(address: str, key: bytes, blob: bytes, namespace) -> None:
     from kvmesh.kv.transfer import put_requests
 
     async with grpc.aio.insecure_channel(address) as ch:
-        await kvcache_pb2_grpc.KvcacheServiceStub(ch).Put(put_requests(key, blob), timeout=5)
+        await kvcache_pb2_grpc.KvcacheServiceStub(ch).Put(put_requests(key, blob, namespace), timeout=5)
 
 
 async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_address, prompt):

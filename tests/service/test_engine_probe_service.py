@@ -1,11 +1,11 @@
 """EngineService.Probe against a real server on port 0, on a tiny random-weight model."""
 import asyncio
-import time
 
 import grpc
 import pytest
 
-from engine_utils import load_tiny, make_core, make_tiny_checkpoint, serve_engine
+from engine_utils import StepGate, load_tiny, make_core, make_tiny_checkpoint, serve_engine
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 
 BS = 16
@@ -17,7 +17,7 @@ def tiny(tmp_path_factory):
 
 
 def _ids(ids):
-    return engine_pb2.TokenIds(ids=ids)
+    return common_pb2.TokenIds(ids=ids)
 
 
 def _gen(ids, max_tokens, salt=""):
@@ -53,25 +53,33 @@ async def test_probe_reports_cached_prefix_per_salt_and_prompt(tiny):
 
 async def test_probe_load_reflects_running_and_waiting_requests(tiny):
     core = make_core(tiny, num_blocks=128, block_size=BS, max_num_batched_tokens=64, max_num_seqs=1)
+    gate = StepGate(core)                                     # the test says when a step runs
     async with serve_engine(core) as served:
-        long = served.stub.Generate(_gen(list(range(20)), 1500), timeout=60)
-        await long.read()                                     # admitted, decoding
-        busy = await _probe(served.stub, [1, 2, 3])
-        assert (busy.running, busy.waiting, busy.pending_prefill_tokens) == (1, 0, 0)
-        assert busy.free_blocks < busy.num_blocks
+        try:
+            long = served.stub.Generate(_gen(list(range(20)), 1500), timeout=60)
+            gate.allow(1)
+            await long.read()                                 # admitted, decoding
+            busy = await _probe(served.stub, [1, 2, 3])
+            assert (busy.running, busy.waiting, busy.pending_prefill_tokens) == (1, 0, 0)
+            assert busy.free_blocks < busy.num_blocks
 
-        queued = served.stub.Generate(_gen(list(range(50)), 4), timeout=60)  # max_num_seqs=1: waits
-        deadline = time.monotonic() + 10
-        while (p := await _probe(served.stub, [1])).waiting == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)                         # until the queued add is applied
-        assert (p.running, p.waiting, p.pending_prefill_tokens) == (1, 1, 50)
+            queued = served.stub.Generate(_gen(list(range(50)), 4), timeout=60)  # max_num_seqs=1: waits
+            # Each probe is a round trip, so the server takes the queued request in between; a
+            # posted request counts as waiting whether or not a step boundary applied it yet.
+            while (p := await _probe(served.stub, [1])).waiting == 0:
+                pass
+            assert (p.running, p.waiting, p.pending_prefill_tokens) == (1, 1, 50)
 
-        t0 = time.perf_counter()
-        for _ in range(20):
-            await _probe(served.stub, [1])
-        assert (time.perf_counter() - t0) / 20 < 0.2          # the router's deadline, while busy
-        long.cancel()
-        queued.cancel()
+            # Probes never wait for the step loop (the router's deadline is shorter than a step):
+            # all of them answer while it is held in a step.
+            assert await asyncio.to_thread(gate.held.wait, 10)
+            for _ in range(20):
+                await _probe(served.stub, [1])
+            assert gate.held.is_set()
+            long.cancel()
+            queued.cancel()
+        finally:
+            gate.open()
 
 
 async def test_probe_rejects_unknown_fields(tiny):

@@ -22,14 +22,14 @@ class Harness(ServedEngine):
         """Runs a tiny request to completion: the engine's inbox is FIFO, so every abort posted
         before it has been applied once it finishes."""
         await self.collect(engine_pb2.GenerateRequest(
-            token_ids=engine_pb2.TokenIds(ids=[1, 2, 3]), sampling=engine_pb2.SamplingParams(max_tokens=1)))
+            token_ids=common_pb2.TokenIds(ids=[1, 2, 3]), sampling=engine_pb2.SamplingParams(max_tokens=1)))
 
 
 @pytest.fixture
 async def harness(bundled_model, request):
     overrides = getattr(request, "param", {})
     core = make_core(bundled_model, **overrides)
-    async with serve_engine(core, max_waiting=overrides.get("max_waiting", 64)) as served:
+    async with serve_engine(core) as served:
         yield Harness(served.engine, served.stub, served.address)
 
 
@@ -41,26 +41,26 @@ async def test_generate_streams_deltas_then_one_final(harness):
     msgs = await harness.collect(_text_req("The capital of France is", max_tokens=12, ignore_eos=True))
     finals = [m for m in msgs if m.HasField("final")]
     assert len(finals) == 1 and msgs[-1].HasField("final")
-    tokens = [t for m in msgs for t in m.token_ids]
+    tokens = [t for m in msgs for t in m.delta.token_ids]
     assert len(tokens) == 12
     final = finals[0].final
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     prompt_len = len(harness.engine.core.tokenizer.encode("The capital of France is"))
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (prompt_len, 12)
-    text = "".join(m.text for m in msgs)
+    text = "".join(m.delta.text for m in msgs)
     assert text == harness.engine.core.tokenizer.decode(tokens)
     assert 0 < final.ttft_s <= final.e2e_s
 
 
 @pytest.mark.parametrize("req, fragment", [
     (engine_pb2.GenerateRequest(sampling=engine_pb2.SamplingParams(max_tokens=4)), "prompt"),
-    (engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[])), "empty"),
+    (engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[])), "empty"),
     (_text_req("hi", temperature=5.0), "temperature"),
     (_text_req("hi", top_p=0.0), "top_p"),
     (_text_req("hi", max_tokens=9000), "context"),
     (_text_req("hi", logprobs=99), "logprobs"),
     (_text_req("hi", prompt_logprobs=21), "prompt_logprobs"),
-    (engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[10**6])), "vocab"),
+    (engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[10**6])), "vocab"),
 ])
 async def test_bad_input_is_invalid_argument_with_a_fix(harness, req, fragment):
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -92,7 +92,7 @@ async def test_client_cancel_frees_blocks(harness):
     call = harness.stub.Generate(_text_req("Tell me a long story.", max_tokens=500, ignore_eos=True), timeout=120)
     got = 0
     async for msg in call:
-        got += len(msg.token_ids)
+        got += len(msg.delta.token_ids)
         if got >= 3:
             break
     call.cancel()
@@ -156,7 +156,7 @@ async def test_get_model_info(harness, bundled_model):
     info = await harness.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
     assert info.weights_digest == bundled_model.weights_digest and len(info.weights_digest) >= 32
     assert info.max_model_len == 8192 and info.vocab_size == 49152
-    assert (info.num_layers, info.num_kv_heads, info.head_dim) == (30, 3, 64)
+    assert (info.kv_namespace.layout.num_layers, info.kv_namespace.layout.num_kv_heads, info.kv_namespace.layout.head_dim) == (30, 3, 64)
     assert list(info.eos_token_ids) == [2]
 
 
@@ -165,21 +165,21 @@ async def test_same_seed_same_output(harness):
     runs = []
     for _ in range(2):
         msgs = await harness.collect(req)
-        runs.append([t for m in msgs for t in m.token_ids])
+        runs.append([t for m in msgs for t in m.delta.token_ids])
     other = await harness.collect(_text_req("Once upon a time", max_tokens=16, temperature=0.9,
                                             seed=99, ignore_eos=True))
     assert runs[0] == runs[1]
-    assert [t for m in other for t in m.token_ids] != runs[0]
+    assert [t for m in other for t in m.delta.token_ids] != runs[0]
 
 
 async def test_stop_string_cuts_the_text(harness):
     base = await harness.collect(_text_req("List the days of the week:", max_tokens=40, ignore_eos=True))
-    text = "".join(m.text for m in base)
+    text = "".join(m.delta.text for m in base)
     stop = text[len(text) // 2: len(text) // 2 + 4]
     assert stop.strip(), f"need a non-blank stop string from {text!r}"
     msgs = await harness.collect(_text_req("List the days of the week:", max_tokens=40, ignore_eos=True,
                                            stop=[stop]))
-    cut = "".join(m.text for m in msgs)
+    cut = "".join(m.delta.text for m in msgs)
     assert cut == text[: text.index(stop)]
     assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
     assert msgs[-1].final.stop_reason == stop
@@ -187,8 +187,8 @@ async def test_stop_string_cuts_the_text(harness):
 
 async def test_logprobs(harness):
     msgs = await harness.collect(_text_req("2 + 2 =", max_tokens=4, logprobs=3, ignore_eos=True))
-    entries = [lp for m in msgs for lp in m.logprobs]
-    tokens = [t for m in msgs for t in m.token_ids]
+    entries = [lp for m in msgs for lp in m.delta.logprobs]
+    tokens = [t for m in msgs for t in m.delta.token_ids]
     assert len(entries) == len(tokens) == 4
     for lp, tok in zip(entries, tokens):
         assert lp.chosen.token_id == tok and lp.chosen.logprob <= 0

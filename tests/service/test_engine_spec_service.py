@@ -6,7 +6,10 @@ import asyncio
 import grpc
 import pytest
 
-from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_tiny_checkpoint, oracle_drafts, run_all, serve_engine
+from engine_utils import (FakeDraftService, StepGate, greedy, load_tiny, make_core, make_tiny_checkpoint,
+                          oracle_drafts, run_all, serve_engine)
+from fake_clock import FakeClock
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 
 PROMPTS = {"a": [(3 * j + 1) % 256 for j in range(30)], "b": [(5 * j + 2) % 256 for j in range(41)]}
@@ -33,12 +36,12 @@ def fake(plain):
 
 def _request(rid, max_tokens=MAX_TOKENS, speculation=engine_pb2.SPECULATION_UNSPECIFIED):
     return engine_pb2.GenerateRequest(
-        request_id=rid, token_ids=engine_pb2.TokenIds(ids=PROMPTS[rid]), speculation=speculation,
+        request_id=rid, token_ids=common_pb2.TokenIds(ids=PROMPTS[rid]), speculation=speculation,
         sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def _tokens(msgs):
-    return [t for m in msgs for t in m.token_ids]
+    return [t for m in msgs for t in m.delta.token_ids]
 
 
 async def test_request_override_and_final_counters(tiny, fake, plain):
@@ -53,7 +56,7 @@ async def test_request_override_and_final_counters(tiny, fake, plain):
     assert final.accepted_draft_tokens < final.draft_tokens       # every third draft is wrong
     assert final.usage.completion_tokens == MAX_TOKENS
     assert (off[-1].final.spec_steps, off[-1].final.draft_tokens) == (0, 0)
-    assert any(len(m.token_ids) > 1 for m in on)                  # runs arrive as one message
+    assert any(len(m.delta.token_ids) > 1 for m in on)                  # runs arrive as one message
     assert {s.drafter for c in fake.calls for s in c.sequences} == {1}  # DRAFTER_NGRAM
 
 
@@ -66,24 +69,36 @@ async def test_unknown_speculation_value_is_invalid_argument(tiny, fake):
 
 
 async def test_draft_service_dies_and_returns_mid_stream(tiny, fake):
-    """Each Propose takes 10 ms, so the 400-token stream outlasts the kill and the restart."""
+    """The step loop moves only when the test lets it (one message per step), so the stream
+    outlasts the kill and the restart whatever the machine's speed; the back-off runs on a
+    FakeClock."""
     prompt = {"a": PROMPTS["a"]}
-    want = run_all(make_core(tiny), prompt, greedy(400, ignore_eos=True))["a"]["tokens"]
-    fake.propose, fake.delay_s = oracle_drafts(prompt, {"a": want}), 0.01
-    core = make_core(tiny, draft_address=fake.address, draft_timeout_s=2.0, draft_retry_s=0.05)
+    want = run_all(make_core(tiny), prompt, greedy(120, ignore_eos=True))["a"]["tokens"]
+    fake.propose = oracle_drafts(prompt, {"a": want})
+    clock = FakeClock()
+    core = make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, speculation="ngram",
+                     draft_clock=clock)
+    gate = StepGate(core)
     async with serve_engine(core) as served:
-        call = served.stub.Generate(_request("a", max_tokens=400), timeout=60)
-        msgs = [await call.read() for _ in range(3)]
-        assert core.spec_totals.steps > 0
-        fake.stop()
-        failures = core.drafts.stats.failures
-        while core.drafts.stats.failures == failures:            # steps go on without drafts
-            msgs.append(await call.read())
-            assert not msgs[-1].HasField("final"), "the stream ended before the service was down"
-        steps_while_down = core.spec_totals.steps
-        fake.start()
-        while not msgs[-1].HasField("final"):
-            msgs.append(await call.read())
+        try:
+            call = served.stub.Generate(_request("a", max_tokens=120), timeout=60)
+            gate.allow(3)                                         # the prefill, then two drafting steps
+            msgs = [await call.read() for _ in range(3)]
+            assert core.spec_totals.steps > 0
+            fake.stop()
+            gate.allow(1)
+            msgs.append(await call.read())                        # that step's call failed: no drafts
+            assert core.drafts.stats.failures == 1 and not msgs[-1].HasField("final")
+            steps_while_down = core.spec_totals.steps
+            fake.start()
+            # gRPC reconnects on its own back-off timer: wait for the connection, not for a time
+            await asyncio.to_thread(grpc.channel_ready_future(core.drafts._channel).result, 20)
+            clock.advance(core.drafts.config.retry_s)
+            gate.open()
+            while not msgs[-1].HasField("final"):
+                msgs.append(await call.read())
+        finally:
+            gate.open()
     assert _tokens(msgs) == want
     assert core.spec_totals.steps > steps_while_down, "speculation did not resume"
     assert core.drafts.stats.resyncs == 1                         # the new service knew nothing

@@ -7,13 +7,16 @@ import torch
 
 from kvcache_utils import serving
 from kvmesh.kv import codec
-from kvmesh.kv.keys import KvLayout, make_namespace, prefix_keys
+from kvmesh.kv.keys import prefix_keys
+from kvmesh.kv.namespace import KvLayout, KvNamespace
+from kvmesh.kv.namespace_proto import namespace_to_proto
 from kvmesh.kv.transfer import checksum as blob_checksum
 from kvmesh.kv.transfer import put_requests
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.services.kvcache.config import KvcacheConfig
 
-NS = make_namespace("test-model", KvLayout(2, 2, 8, "float32"))
+NAMESPACE = KvNamespace("test-model", KvLayout(2, 2, 8, "float32"))
+NS = NAMESPACE.digest()
 MiB = 1 << 20
 
 
@@ -24,13 +27,13 @@ def make_blob(tokens: list[int], seed: int = 0, spec: codec.CodecSpec = codec.Co
     return codec.encode(k, v, codec.ChunkMeta(NS, tuple(tokens)), spec)
 
 
-def put_stream(key: bytes, blob: bytes, part: int = 4096, **header):
+def put_stream(key: bytes, blob: bytes, part: int = 4096, namespace: KvNamespace = NAMESPACE, **header):
     """A Put stream in small slices, so that a blob spans several messages."""
-    return put_requests(key, blob, part_bytes=part, **header)
+    return put_requests(key, blob, namespace, part_bytes=part, **header)
 
 
 def config(tmp_path, **overrides) -> KvcacheConfig:
-    base = dict(port=0, data_dir=tmp_path / "lmdb", memory_bytes=4 * MiB, disk_map_bytes=64 * MiB,
+    base = dict(data_dir=tmp_path / "lmdb", memory_bytes=4 * MiB, disk_map_bytes=64 * MiB,
                 max_entry_bytes=2 * MiB)
     return KvcacheConfig(**{**base, **overrides})
 
@@ -70,11 +73,11 @@ async def test_put_get_lookup_roundtrip_across_parts(kv):
         resp = await kv.Put(put_stream(key, blob, part=1000), timeout=10)
         assert resp.stored_bytes == len(blob)
     found = await kv.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=16), timeout=10)
-    assert list(found.tiers) == [pb.TIER_MEMORY, pb.TIER_MEMORY, pb.TIER_NONE, pb.TIER_NONE]
+    assert list(found.tiers) == [pb.TIER_MEMORY, pb.TIER_MEMORY, pb.TIER_UNSPECIFIED, pb.TIER_UNSPECIFIED]
     assert (found.prefix_chunks, found.prefix_tokens) == (2, 32)
     got = await get_all(kv, [keys[1], keys[3], keys[0]])
     assert got[keys[1]] == (blobs[1], pb.TIER_MEMORY) and got[keys[0]] == (blobs[0], pb.TIER_MEMORY)
-    assert got[keys[3]] == (None, pb.TIER_NONE)
+    assert got[keys[3]] == (None, pb.TIER_UNSPECIFIED)
     k, v, header = codec.decode(got[keys[0]][0], namespace=NS)
     assert header.token_ids == tuple(tokens[:16])
 
@@ -92,8 +95,16 @@ async def test_large_blob_streams_in_parts_and_is_byte_identical(kv):
     (lambda key, blob: [pb.PutRequest(data=blob)], grpc.StatusCode.INVALID_ARGUMENT, "header"),
     (lambda key, blob: put_stream(key[:5], blob), grpc.StatusCode.INVALID_ARGUMENT, "32 bytes"),
     (lambda key, blob: iter([pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob) + 10,
-                                                                checksum=blob_checksum(blob))),
+                                                                checksum=blob_checksum(blob),
+                                                                namespace=namespace_to_proto(NAMESPACE))),
                              pb.PutRequest(data=blob)]), grpc.StatusCode.INVALID_ARGUMENT, "received"),
+    (lambda key, blob: iter([pb.PutRequest(header=pb.PutHeader(key=key, total_bytes=len(blob),
+                                                                checksum=blob_checksum(blob))),
+                             pb.PutRequest(data=blob)]), grpc.StatusCode.INVALID_ARGUMENT, "namespace is unset"),
+    (lambda key, blob: put_stream(key, blob, namespace=NAMESPACE.for_tenant("tenant:other")),
+     grpc.StatusCode.INVALID_ARGUMENT, "encoded for namespace"),
+    (lambda key, blob: put_stream(key, blob, namespace=NAMESPACE.with_storage("int4-g64-r0-h0-o0")),
+     grpc.StatusCode.INVALID_ARGUMENT, "encoded for namespace"),
     (lambda key, blob: put_stream(key, b"not a kv blob at all"), grpc.StatusCode.INVALID_ARGUMENT, "not a valid"),
     (lambda key, blob: put_stream(key, blob, ttl_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttl_s"),
 ])
@@ -104,13 +115,13 @@ async def test_bad_puts_are_rejected_and_store_nothing(kv, mutate, code, fragmen
         await kv.Put(mutate(key, blob), timeout=10)
     assert err.value.code() == code and fragment in err.value.details()
     found = await kv.Lookup(pb.LookupRequest(keys=[key]), timeout=10)
-    assert list(found.tiers) == [pb.TIER_NONE]
+    assert list(found.tiers) == [pb.TIER_UNSPECIFIED]
 
 
 async def test_oversized_put_is_resource_exhausted(kv):
     tokens = list(range(16))
     key = prefix_keys(tokens, 16, NS)[0]
-    header = pb.PutHeader(key=key, total_bytes=3 * MiB, checksum=b"x" * 16)
+    header = pb.PutHeader(key=key, total_bytes=3 * MiB, checksum=b"x" * 16, namespace=namespace_to_proto(NAMESPACE))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await kv.Put(iter([pb.PutRequest(header=header)]), timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max entry size" in err.value.details()
@@ -130,7 +141,7 @@ async def test_delete_pin_ttl_and_stats(kv):
     assert (await kv.SetTtl(pb.SetTtlRequest(keys=[keys[2]], ttl_s=60.0), timeout=10)).updated == 1
     assert (await kv.Delete(pb.DeleteRequest(keys=[keys[1], b"\0" * 32]), timeout=10)).deleted == 1
     found = await kv.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=16), timeout=10)
-    assert found.prefix_chunks == 1 and found.tiers[1] == pb.TIER_NONE
+    assert found.prefix_chunks == 1 and found.tiers[1] == pb.TIER_UNSPECIFIED
     await get_all(kv, [keys[0], keys[1]])
     stats = await kv.Stats(pb.StatsRequest(), timeout=10)
     assert [t.entries for t in stats.tiers] == [2, 2]
@@ -164,9 +175,9 @@ async def test_a_stored_blob_that_went_bad_is_a_miss_and_is_deleted(served):
     key, blob = prefix_keys(tokens, 16, NS)[0], make_blob(tokens)
     await served.stub.Put(put_stream(key, blob), timeout=10)
     damaged = blob[:40] + bytes([blob[40] ^ 0x10]) + blob[41:]
-    for tier in served.servicer.store.tiers:  # bit rot under the service, in every tier
+    for tier in served.backend.store.tiers:  # bit rot under the service, in every tier
         tier.put(key, damaged)
-    assert (await get_all(served.stub, [key]))[key] == (None, pb.TIER_NONE)
+    assert (await get_all(served.stub, [key]))[key] == (None, pb.TIER_UNSPECIFIED)
     found = await served.stub.Lookup(pb.LookupRequest(keys=[key]), timeout=10)
-    assert list(found.tiers) == [pb.TIER_NONE]
+    assert list(found.tiers) == [pb.TIER_UNSPECIFIED]
     assert (await served.stub.Stats(pb.StatsRequest(), timeout=10)).corrupt_entries == 1

@@ -2,9 +2,10 @@
 KV-cache service and the gateway, then /metrics is scraped (the real endpoint and exposition
 format) and every counter must have moved by exactly the known amount.
 
-Counters are process-wide, so the tests compare scrapes before and after; collectors of one
-engine or store (prefix cache, KV link, speculation, tiers) are registered for the test only, so
-their values are absolute.
+Each test gets a registry of its own, as the entry helper gives each service process one, served
+at `metrics_url` (the gateway's is served by its HTTP app). The tests compare scrapes before and
+after; collectors of one engine or store (prefix cache, KV link, speculation, tiers) are
+registered for their part of the test only, so their values are absolute.
 """
 from __future__ import annotations
 
@@ -15,21 +16,18 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import torch
-from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_tiny_checkpoint, run_all
 from gateway_utils import MODEL, GatewayHarness
 from kvcache_utils import serving
 from kvmesh.kv import codec
-from kvmesh.kv.keys import make_namespace
 from kvmesh.metrics import start_metrics_server
-from kvmesh.services.engine import metrics as engine_metrics
 from kvmesh.services.engine.async_engine import AsyncEngine
-from kvmesh.services.engine.build import kv_layout
 from kvmesh.services.engine.documents import InlineDocument, Tokens
-from kvmesh.services.kvcache import metrics as kvcache_metrics
+from kvmesh.services.engine.metrics import EngineMetrics
 from kvmesh.services.kvcache.config import KvcacheConfig
+from kvmesh.telemetry import Telemetry
 
 CHUNK = 32
 KVCACHE = "kvmesh.kvcache.v1.KvcacheService"
@@ -72,11 +70,24 @@ class Deltas:
         return self.after(name, **labels) - self.before.get(name, **labels)
 
 
-@pytest.fixture(scope="module")
-def metrics_url() -> str:
-    """The default registry served the way every service serves it (kvmesh.metrics)."""
-    port = start_metrics_server("127.0.0.1", 0)
-    return f"http://127.0.0.1:{port}/metrics"
+@pytest.fixture
+def telemetry() -> Telemetry:
+    """The test's telemetry: one service's registry (and tracer provider)."""
+    return Telemetry.create("kvmesh-test")
+
+
+@pytest.fixture
+def metrics_url(telemetry: Telemetry):
+    """The test's registry served the way every service serves its own (kvmesh.metrics)."""
+    server = start_metrics_server("127.0.0.1", 0, telemetry.registry)
+    yield f"http://127.0.0.1:{server.port}/metrics"
+    server.close()
+
+
+@pytest.fixture
+def engine_metrics(telemetry: Telemetry) -> EngineMetrics:
+    """The engine's metrics in the test's registry (the engines of one test share them)."""
+    return EngineMetrics(telemetry.registry)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +96,14 @@ def tiny(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def instrumented(core, **engine_kw):
+def instrumented(core, metrics: EngineMetrics):
     """An AsyncEngine on `core`, published the way engine/__main__ does, unpublished after."""
-    engine = AsyncEngine(lambda: core, max_waiting=8)
-    collector = engine_metrics.instrument(engine)
+    engine = AsyncEngine(lambda: core)
+    collector = metrics.instrument(engine)
     try:
         yield engine
     finally:
-        REGISTRY.unregister(collector)
+        metrics.registry.unregister(collector)
         engine.shutdown()
 
 
@@ -107,11 +118,11 @@ def prompt(first: int, n: int) -> list[int]:
     return [(first + 7 * j) % 250 + 1 for j in range(n)]
 
 
-async def test_engine_counters_after_a_known_workload(tiny, metrics_url):
+async def test_engine_counters_after_a_known_workload(tiny, metrics_url, engine_metrics):
     # 3 prompts of 40 tokens at once, then the first again: its 2 full blocks (32 tokens; the
     # last prompt token is always computed) come from the prefix cache. 5 tokens each.
     core = make_core(tiny, num_blocks=64, block_size=16, max_num_batched_tokens=256)
-    with instrumented(core) as engine:
+    with instrumented(core, engine_metrics) as engine:
         d = Deltas(metrics_url)
         prompts = [prompt(i, 40) for i in (0, 1, 2)]
         finals = await asyncio.gather(*(generate(engine, p) for p in prompts))
@@ -141,7 +152,7 @@ async def test_engine_counters_after_a_known_workload(tiny, metrics_url):
     assert (e + "kv_lookups_total", ()) not in after.values  # no KV-cache service
 
 
-async def test_speculative_decoding_counters(tiny, metrics_url):
+async def test_speculative_decoding_counters(tiny, metrics_url, engine_metrics):
     # A drafter that knows the greedy continuation: every draft is accepted. With 4 drafts per
     # step and 12 tokens: prefill emits 1, two steps verify 4 drafts and emit 5 each, the last
     # token is a plain step (no room for drafts) -> 2 drafts, 8 draft tokens, 8 accepted.
@@ -151,7 +162,7 @@ async def test_speculative_decoding_counters(tiny, metrics_url):
     fake = FakeDraftService(lambda rid, history, k: full[len(history):len(history) + k])
     try:
         core = make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, spec_max_draft_tokens=4)
-        with instrumented(core) as engine:
+        with instrumented(core, engine_metrics) as engine:
             d = Deltas(metrics_url)
             final = await generate(engine, ids, max_tokens=12)
             after = await asyncio.to_thread(d.rescrape)
@@ -174,7 +185,7 @@ def blob_bytes(loaded) -> int:
     """Size of one exported chunk of the tiny model with fp16, no zstd (independent of values)."""
     c = loaded.config
     k = torch.zeros(c.num_layers, CHUNK, c.num_kv_heads, c.head_dim)
-    ns = make_namespace(loaded.identity, kv_layout(loaded), "")
+    ns = bytes(16)  # the size of a blob does not depend on its namespace
     return len(codec.encode(k, k, codec.ChunkMeta(ns, (1,) * CHUNK), codec.CodecSpec("fp16", zstd=False)))
 
 
@@ -184,32 +195,33 @@ def kv_engine(loaded, address: str):
 
 
 @contextlib.asynccontextmanager
-async def kv_service(tmp_path, memory_bytes: int):
-    cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", memory_bytes=memory_bytes,
+async def kv_service(tmp_path, memory_bytes: int, telemetry: Telemetry):
+    cfg = KvcacheConfig(data_dir=tmp_path / "lmdb", memory_bytes=memory_bytes,
                         disk_map_bytes=64 << 20, max_entry_bytes=1 << 20)
-    async with serving(cfg) as served:
-        collector = kvcache_metrics.register_store(served.servicer)
+    async with serving(cfg, telemetry=telemetry) as served:
+        collector = served.backend.metrics.watch_store(served.backend)
         try:
             yield served
         finally:
-            REGISTRY.unregister(collector)
+            telemetry.registry.unregister(collector)
 
 
-async def test_kv_service_and_engine_link_counters(tiny, metrics_url, tmp_path):
+async def test_kv_service_and_engine_link_counters(tiny, metrics_url, engine_metrics, telemetry,
+                                                   tmp_path):
     # A 100-token prompt is 3 chunks of 32. The memory tier holds 2.5 chunks, the disk all.
     # Engine 1: Lookup (0 found), then 3 Puts; the memory tier evicts chunk 0 to take chunk 2.
     # Engine 2 (empty caches): Lookup finds 3 (memory 1-2, disk 0), one Get of 3 keys: memory
     # hits 1-2 and misses 0, disk hits 0, which is promoted into memory and evicts chunk 1.
     size = blob_bytes(tiny)
     ids = prompt(5, 100)
-    async with kv_service(tmp_path, memory_bytes=size * 5 // 2) as kv:
+    async with kv_service(tmp_path, size * 5 // 2, telemetry) as kv:
         d = Deltas(metrics_url)
-        with instrumented(kv_engine(tiny, kv.address)) as first:
+        with instrumented(kv_engine(tiny, kv.address), engine_metrics) as first:
             cold = await generate(first, ids)
             assert await asyncio.to_thread(first.core.kv.flush)
             one = await asyncio.to_thread(scrape, metrics_url)
             await first.core.kv.close()
-        with instrumented(kv_engine(tiny, kv.address)) as second:
+        with instrumented(kv_engine(tiny, kv.address), engine_metrics) as second:
             warm = await generate(second, ids)
             assert await asyncio.to_thread(second.core.kv.flush)
             two = await asyncio.to_thread(d.rescrape)
@@ -249,7 +261,7 @@ async def test_kv_service_and_engine_link_counters(tiny, metrics_url, tmp_path):
     assert two(e + "prefix_cache_queries_total") == 100 and two(e + "prefix_cache_hits_total") == 0
 
 
-async def test_blending_counters(tiny, metrics_url, tmp_path):
+async def test_blending_counters(tiny, metrics_url, engine_metrics, telemetry, tmp_path):
     # Two 64-token documents (2 chunks each). The first prompt stores them by content; the
     # second holds them in the other order behind another header: 128 tokens blended, 25% of
     # them (32) recomputed.
@@ -259,8 +271,8 @@ async def test_blending_counters(tiny, metrics_url, tmp_path):
         return [Tokens(tuple(head)), InlineDocument(tuple(docs[first])), Tokens((9, 9)),
                 InlineDocument(tuple(docs[second])), Tokens((3, 4, 5, 6))]
 
-    async with kv_service(tmp_path, memory_bytes=64 << 20) as kv:
-        with instrumented(kv_engine(tiny, kv.address)) as engine:
+    async with kv_service(tmp_path, 64 << 20, telemetry) as kv:
+        with instrumented(kv_engine(tiny, kv.address), engine_metrics) as engine:
             d = Deltas(metrics_url)
             cold = await generate(engine, parts=parts("a", "b", prompt(20, 8)), recompute_ratio=0.25)
             assert await asyncio.to_thread(engine.core.kv.flush)
@@ -278,12 +290,12 @@ async def test_blending_counters(tiny, metrics_url, tmp_path):
     assert d.moved(e + "prompt_tokens_total") == (8 + 64 + 2 + 64 + 4) + (5 + 64 + 2 + 64 + 4)
 
 
-def test_gateway_counters(metrics_url):
+def test_gateway_counters():
     # 3 completions of a 4-token prompt, 3 tokens each, 2 of them cached upstream; then one
-    # request for a model that does not exist.
+    # request for a model that does not exist. Scraped at the gateway's own GET /metrics.
     with GatewayHarness() as h:
         h.state.cached_tokens = 2
-        d = Deltas(metrics_url)
+        d = Deltas(f"http://127.0.0.1:{h.http_port}/metrics")
         with httpx.Client(base_url=h.base_url, timeout=10) as client:
             for _ in range(3):
                 r = client.post("/completions", json={"model": MODEL, "prompt": "abcd", "max_tokens": 3})
@@ -302,12 +314,12 @@ def test_gateway_counters(metrics_url):
     assert d.after(g + "inflight_requests") == 0 and d.after(g + "inflight_prompt_tokens") == 0
 
 
-async def test_an_aborted_request_counts_as_abort(tiny, metrics_url):
+async def test_an_aborted_request_counts_as_abort(tiny, metrics_url, engine_metrics):
     """A client that goes away mid-stream: request_success{abort} and its prompt tokens."""
     import threading
 
     core = make_core(tiny, num_blocks=64, block_size=16, max_num_batched_tokens=256)
-    with instrumented(core) as engine:
+    with instrumented(core, engine_metrics) as engine:
         applied = threading.Event()
         hook = engine.on_abort
         engine.on_abort = lambda out: (hook(out), applied.set())

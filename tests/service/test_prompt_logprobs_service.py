@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine_utils import load_tiny, make_core, make_tiny_checkpoint, serve_engine
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 
 
@@ -13,7 +14,7 @@ def tiny(tmp_path_factory):
 
 
 def _req(prompt, **sampling):
-    return engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=prompt),
+    return engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt),
                                       sampling=engine_pb2.SamplingParams(ignore_eos=True, **sampling))
 
 
@@ -25,10 +26,10 @@ async def test_prompt_logprobs_on_the_first_message_only(tiny):
     async with serve_engine(core) as served:
         warm = await served.collect(_req(prompt, max_tokens=3))
         msgs = await served.collect(_req(prompt, max_tokens=3, prompt_logprobs=2))
-    assert [len(m.prompt_logprobs) for m in msgs if m.token_ids] == [len(prompt) - 1, 0, 0]
-    assert [t for m in msgs for t in m.token_ids] == [t for m in warm for t in m.token_ids]
+    assert [len(m.delta.prompt_logprobs) for m in msgs if m.delta.token_ids] == [len(prompt) - 1, 0, 0]
+    assert [t for m in msgs for t in m.delta.token_ids] == [t for m in warm for t in m.delta.token_ids]
     assert msgs[-1].final.usage.cached_prompt_tokens == 0 < warm[-1].final.usage.prompt_tokens
-    for pos, entry in enumerate(msgs[0].prompt_logprobs):
+    for pos, entry in enumerate(msgs[0].delta.prompt_logprobs):
         token = prompt[pos + 1]
         assert entry.chosen.token_id == token
         assert entry.chosen.text == tiny.tokenizer.decode([token])
@@ -57,7 +58,7 @@ async def test_no_kv_service_import_but_new_chunks_are_exported(tiny, tmp_path):
     from kvmesh.services.kvcache.config import KvcacheConfig
 
     prompt = [(13 * i + 1) % 256 for i in range(70)]  # 2 chunks of 32
-    kv_cfg = KvcacheConfig(port=0, data_dir=tmp_path / "lmdb", disk_map_bytes=64 << 20, max_entry_bytes=8 << 20)
+    kv_cfg = KvcacheConfig(data_dir=tmp_path / "lmdb", disk_map_bytes=64 << 20, max_entry_bytes=8 << 20)
 
     async def run(address, params):
         core = build_core(EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=32, max_num_seqs=4, kv_codec="fp16",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.router.v1 import router_pb2
 from router_utils import (FakeOpenAI, Script, fake_engines, router_config, serving_openai,
@@ -15,7 +16,7 @@ PREFIX = list(range(1, 97))  # 96 plain tokens before the first document
 
 
 def tokens(ids) -> engine_pb2.PromptPart:
-    return engine_pb2.PromptPart(tokens=engine_pb2.TokenIds(ids=ids))
+    return engine_pb2.PromptPart(tokens=common_pb2.TokenIds(ids=ids))
 
 
 def parts_request(*parts: engine_pb2.PromptPart, model: str = "") -> router_pb2.RouteRequest:
@@ -24,10 +25,10 @@ def parts_request(*parts: engine_pb2.PromptPart, model: str = "") -> router_pb2.
         blend=engine_pb2.BlendOptions(recompute_ratio=0.25)))
 
 
-INLINE = engine_pb2.PromptPart(document=engine_pb2.TokenIds(ids=[500] * 64))
+INLINE = engine_pb2.PromptPart(document=common_pb2.TokenIds(ids=[500] * 64))
 CATALOG = engine_pb2.PromptPart(document_id="cat-7")
 RETRIEVE = engine_pb2.PromptPart(retrieve=engine_pb2.Retrieve(
-    query="q", k=2, separator=engine_pb2.TokenIds(ids=[10, 10])))
+    query="q", k=2, separator=common_pb2.TokenIds(ids=[10, 10])))
 
 
 async def test_parts_are_placed_by_their_leading_tokens_and_the_blend_report_is_relayed():
@@ -55,7 +56,7 @@ async def test_parts_that_start_with_a_document_are_not_probed():
         async with serving_router(router_config(tiers=f"t={e0.address},{e1.address}")) as r:
             msgs = await r.collect(parts_request(INLINE, tokens([1, 2, 3])))
     assert not e0.probe_calls and not e1.probe_calls
-    assert msgs[0].route.policy == "least_loaded" and msgs[-1].response.HasField("final")
+    assert msgs[0].route.policy == router_pb2.PLACEMENT_POLICY_LEAST_LOADED and msgs[-1].response.HasField("final")
 
 
 async def test_difficulty_routing_counts_plain_and_inline_document_tokens():
@@ -65,8 +66,8 @@ async def test_difficulty_routing_counts_plain_and_inline_document_tokens():
         async with serving_router(cfg) as r:
             long = await r.collect(parts_request(tokens(PREFIX[:40]), INLINE, CATALOG))
             short = await r.collect(parts_request(tokens(PREFIX[:30]), INLINE, CATALOG))
-    assert long[0].route.cascade[0].reason == "difficulty"      # 40 + 64 >= 100
-    assert short[0].route.cascade[0].reason == "confident"      # 30 + 64 < 100
+    assert long[0].route.cascade[0].reason == router_pb2.CASCADE_REASON_DIFFICULTY  # 40 + 64 >= 100
+    assert short[0].route.cascade[0].reason == router_pb2.CASCADE_REASON_CONFIDENT  # 30 + 64 < 100
 
 
 @pytest.mark.parametrize("part, kind", [(CATALOG, "document_id"), (RETRIEVE, "retrieve")])
@@ -97,5 +98,5 @@ async def test_an_openai_tier_serves_inline_documents_as_text_and_a_cascade_esca
     assert text_of(served) == "Hello, world" and oai.bodies[0]["prompt"] == "Doc.\n\nSay hello"
     assert len(oai.bodies) == 1  # the retrieval request never reached the endpoint
     assert [(s.tier, s.reason) for s in escalated[0].route.cascade] == \
-        [("cheap", "tier_failed"), ("strong", "last_tier")]
+        [("cheap", router_pb2.CASCADE_REASON_TIER_FAILED), ("strong", router_pb2.CASCADE_REASON_LAST_TIER)]
     assert strong.generate_calls[0].parts.parts[1].retrieve.k == 2

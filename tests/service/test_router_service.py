@@ -9,20 +9,26 @@ import sys
 import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import REGISTRY
 
+from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.rpc.client import wait_for_ready
-from kvmesh.telemetry import setup_telemetry
+from kvmesh.telemetry import Telemetry
 from router_utils import (ROUTER_SERVICE, FakeOpenAI, Script, dead_address, fake_engines, route_request,
                           router_config, serving_openai, serving_router, text_of)
 
 PROMPT = list(range(1, 161))  # 160 tokens
+KV_AWARE, ROUND_ROBIN, FAILOVER = (router_pb2.PLACEMENT_POLICY_KV_AWARE, router_pb2.PLACEMENT_POLICY_ROUND_ROBIN,
+                                   router_pb2.PLACEMENT_POLICY_FAILOVER)
+CONFIDENT, LOW_CONFIDENCE, DIFFICULTY, LAST_TIER, TIER_FAILED = (
+    router_pb2.CASCADE_REASON_CONFIDENT, router_pb2.CASCADE_REASON_LOW_CONFIDENCE,
+    router_pb2.CASCADE_REASON_DIFFICULTY, router_pb2.CASCADE_REASON_LAST_TIER,
+    router_pb2.CASCADE_REASON_TIER_FAILED)
 
 
-def metric(name: str, **labels) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def metric(telemetry: Telemetry, name: str, **labels) -> float:
+    return telemetry.registry.get_sample_value(name, labels) or 0.0
 
 
 def tiers(*engines, name="t") -> str:
@@ -45,7 +51,7 @@ async def test_kv_aware_picks_the_replica_with_the_longest_cached_prefix():
     assert replica_of(msgs) == e1.address and len(e1.generate_calls) == 1
     assert not e0.generate_calls and not e2.generate_calls
     route = msgs[0].route
-    assert (route.tier, route.policy, route.expected_cached_tokens) == ("t", "kv_aware", 128)
+    assert (route.tier, route.policy, route.expected_cached_tokens) == ("t", KV_AWARE, 128)
     assert [p.cache_salt for p in e0.probe_calls + e1.probe_calls + e2.probe_calls] == \
         ["tenant-salt"] * 3
     assert list(e0.probe_calls[0].token_ids.ids) == PROMPT
@@ -78,16 +84,17 @@ async def test_a_down_replica_is_skipped_and_the_request_succeeds():
     dead = dead_address()
     async with fake_engines(Script()) as (live,):
         cfg = router_config(tiers=f"t={dead},{live.address}", policy="round_robin")
-        before = metric("kvmesh_router_requests_total", tier="t", replica=dead,
+        telemetry = Telemetry.create("kvmesh-router")
+        before = metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=dead,
                         policy="round_robin", code="UNAVAILABLE")
-        async with serving_router(cfg) as r:
+        async with serving_router(cfg, telemetry) as r:
             first = await r.collect(route_request())      # the cursor points at the dead one
             second = await r.collect(route_request())     # now marked down: not tried again
-    assert (replica_of(first), first[0].route.policy) == (live.address, "failover")
-    assert (replica_of(second), second[0].route.policy) == (live.address, "round_robin")
+    assert (replica_of(first), first[0].route.policy) == (live.address, FAILOVER)
+    assert (replica_of(second), second[0].route.policy) == (live.address, ROUND_ROBIN)
     assert text_of(first) == " e0101 e0102 e0103"
-    assert metric("kvmesh_router_requests_total", tier="t", replica=dead, policy="round_robin",
-                  code="UNAVAILABLE") == before + 1
+    assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=dead,
+                  policy="round_robin", code="UNAVAILABLE") == before + 1
 
 
 async def test_kv_aware_marks_a_replica_whose_probe_is_refused_down():
@@ -97,13 +104,14 @@ async def test_kv_aware_marks_a_replica_whose_probe_is_refused_down():
             msgs = await r.collect(route_request(PROMPT))
             pool = r.servicer.router.pools["t"]
             assert pool.state.is_down(dead) and not pool.state.is_down(e0.address)
-    assert (replica_of(msgs), msgs[0].route.policy) == (e1.address, "kv_aware")
+    assert (replica_of(msgs), msgs[0].route.policy) == (e1.address, KV_AWARE)
 
 
 async def test_a_slow_probe_leaves_the_replica_up_but_ranked_last():
-    async with fake_engines(Script(cached_tokens=160, probe_delay_s=2.0), Script()) as (slow, e1):
-        cfg = router_config(tiers=tiers(slow, e1), probe_timeout_s=0.05)
-        async with serving_router(cfg) as r:
+    # The slow probe never answers, so it misses the router's deadline whatever the machine's
+    # load; the deadline stays the generous test default so the prompt replica meets it.
+    async with fake_engines(Script(cached_tokens=160, probe_hangs=True), Script()) as (slow, e1):
+        async with serving_router(router_config(tiers=tiers(slow, e1))) as r:
             msgs = await r.collect(route_request(PROMPT))
             assert not r.servicer.router.pools["t"].state.is_down(slow.address)
     assert replica_of(msgs) == e1.address
@@ -117,7 +125,7 @@ async def test_generate_unavailable_before_the_first_token_fails_over():
             msgs = await r.collect(route_request(PROMPT))
             assert r.servicer.router.pools["t"].state.is_down(bad.address)
     assert len(bad.generate_calls) == 1
-    assert (replica_of(msgs), msgs[0].route.policy) == (good.address, "failover")
+    assert (replica_of(msgs), msgs[0].route.policy) == (good.address, FAILOVER)
 
 
 async def test_an_overloaded_replica_is_passed_over_but_not_marked_down():
@@ -133,7 +141,7 @@ async def test_a_draining_replica_is_avoided():
     async with fake_engines(Script(hold_after=1), Script()) as (draining, e1):
         channel = grpc.aio.insecure_channel(draining.address)
         held = engine_pb2_grpc.EngineServiceStub(channel).Generate(
-            engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[1])), timeout=10)
+            engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1])), timeout=10)
         await held.read()
         drain = asyncio.ensure_future(draining.server.drain(10.0))  # keeps serving `held`
         await asyncio.wait_for(draining.holding.wait(), 5)
@@ -201,7 +209,7 @@ async def test_client_cancel_cancels_the_engine_call():
         async with serving_router(router_config(tiers=tiers(e0))) as r:
             call = r.stub.Generate(route_request(), timeout=10)
             first = await call.read()
-            assert first.response.token_ids == [101]
+            assert first.response.delta.token_ids == [101]
             call.cancel()
             await asyncio.wait_for(e0.cancelled_event.wait(), 5)
     assert e0.cancelled == [e0.generate_calls[0].request_id]
@@ -233,24 +241,25 @@ def cascade_config(cheap, strong, **overrides):
 
 
 async def test_cascade_keeps_a_confident_cheap_answer():
-    before = metric("kvmesh_router_cascade_decisions_total", route="auto", tier="cheap",
-                    reason="confident")
+    telemetry = Telemetry.create("kvmesh-router")
+    before = metric(telemetry, "kvmesh_router_cascade_decisions_total", route="auto",
+                    tier="cheap", reason="confident")
     async with fake_engines(Script(logprobs=[-0.1, -0.2, -0.3]), Script()) as (cheap, strong):
-        async with serving_router(cascade_config(cheap, strong)) as r:
+        async with serving_router(cascade_config(cheap, strong), telemetry) as r:
             msgs = await r.collect(route_request())
     assert not strong.generate_calls
     assert cheap.generate_calls[0].sampling.logprobs == 0  # forced on: chosen token only
     assert text_of(msgs) == " e0101 e0102 e0103"
-    assert all(not m.response.logprobs for m in msgs)        # the client did not ask
+    assert all(not m.response.delta.logprobs for m in msgs)        # the client did not ask
     route = msgs[0].route
     assert (route.tier, route.replica) == ("cheap", cheap.address)
     [step] = route.cascade
     assert (step.tier, step.signal, step.accepted, step.reason, step.completion_tokens) == \
-        ("cheap", "mean_logprob", True, "confident", 3)
+        ("cheap", router_pb2.CONFIDENCE_SIGNAL_MEAN_LOGPROB, True, CONFIDENT, 3)
     assert step.confidence == pytest.approx(-0.2) and step.threshold == -0.5
     assert msgs[-1].response.final.usage.completion_tokens == 3
-    assert metric("kvmesh_router_cascade_decisions_total", route="auto", tier="cheap",
-                  reason="confident") == before + 1
+    assert metric(telemetry, "kvmesh_router_cascade_decisions_total", route="auto",
+                  tier="cheap", reason="confident") == before + 1
 
 
 async def test_cascade_escalates_a_low_confidence_answer_and_streams_only_the_kept_one():
@@ -263,7 +272,7 @@ async def test_cascade_escalates_a_low_confidence_answer_and_streams_only_the_ke
     route = msgs[0].route
     assert (route.tier, route.replica) == ("strong", strong.address)
     assert [(s.tier, s.accepted, s.reason) for s in route.cascade] == \
-        [("cheap", False, "low_confidence"), ("strong", True, "last_tier")]
+        [("cheap", False, LOW_CONFIDENCE), ("strong", True, LAST_TIER)]
     assert route.cascade[0].confidence == pytest.approx(-2.0)
     assert msgs[-1].response.final.usage.completion_tokens == 2  # the kept tier's usage
 
@@ -280,8 +289,8 @@ async def test_a_request_may_set_its_own_cascade_threshold():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await r.collect(bad)
     assert [(s.tier, s.reason, s.threshold) for s in escalated[0].route.cascade] == \
-        [("cheap", "low_confidence", pytest.approx(-0.1)), ("strong", "last_tier", pytest.approx(-0.1))]
-    assert [(s.tier, s.reason) for s in kept[0].route.cascade] == [("cheap", "confident")]
+        [("cheap", LOW_CONFIDENCE, pytest.approx(-0.1)), ("strong", LAST_TIER, pytest.approx(-0.1))]
+    assert [(s.tier, s.reason) for s in kept[0].route.cascade] == [("cheap", CONFIDENT)]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<= 0" in err.value.details()
 
 
@@ -291,8 +300,8 @@ async def test_cascade_keeps_the_logprobs_the_client_asked_for():
         async with serving_router(cfg) as r:
             msgs = await r.collect(route_request(logprobs=1))
     assert cheap.generate_calls[0].sampling.logprobs == 5       # top-5 for the entropy
-    assert msgs[0].route.cascade[0].reason == "confident" and not strong.generate_calls
-    lps = [lp for m in msgs for lp in m.response.logprobs]
+    assert msgs[0].route.cascade[0].reason == CONFIDENT and not strong.generate_calls
+    lps = [lp for m in msgs for lp in m.response.delta.logprobs]
     assert len(lps) == 3 and all(len(lp.top) == 1 for lp in lps)
     assert lps[0].chosen.logprob == pytest.approx(-0.1)
 
@@ -303,7 +312,7 @@ async def test_a_failing_cheap_tier_escalates():
             msgs = await r.collect(route_request())
     assert text_of(msgs) == " e1101 e1102 e1103"
     assert [(s.tier, s.reason, s.completion_tokens) for s in msgs[0].route.cascade] == \
-        [("cheap", "tier_failed", 2), ("strong", "last_tier", 0)]
+        [("cheap", TIER_FAILED, 2), ("strong", LAST_TIER, 0)]
 
 
 async def test_difficulty_routing_sends_long_prompts_to_the_last_tier():
@@ -313,7 +322,7 @@ async def test_difficulty_routing_sends_long_prompts_to_the_last_tier():
             long = await r.collect(route_request(PROMPT))
             short = await r.collect(route_request(PROMPT[:99]))
     assert [(s.tier, s.accepted, s.reason) for s in long[0].route.cascade] == \
-        [("cheap", False, "difficulty"), ("strong", True, "last_tier")]
+        [("cheap", False, DIFFICULTY), ("strong", True, LAST_TIER)]
     assert long[0].route.tier == "strong" and short[0].route.tier == "cheap"
     assert len(cheap.generate_calls) == 1 and len(strong.generate_calls) == 1
 
@@ -347,9 +356,9 @@ async def test_list_models_cards_for_tiers_and_cascades_cached():
             first = (await r.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models
             again = (await r.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models
     assert [(m.id, m.root, m.max_model_len, m.kind, list(m.tiers)) for m in first] == [
-        ("cheap", "small", 2048, "tier", ["cheap"]),
-        ("strong", "big", 8192, "tier", ["strong"]),
-        ("auto", "small", 2048, "cascade", ["cheap", "strong"])]
+        ("cheap", "small", 2048, router_pb2.MODEL_KIND_TIER, ["cheap"]),
+        ("strong", "big", 8192, router_pb2.MODEL_KIND_TIER, ["strong"]),
+        ("auto", "small", 2048, router_pb2.MODEL_KIND_CASCADE, ["cheap", "strong"])]
     assert list(again) == list(first) and cheap.info_calls == strong.info_calls == 1
 
 
@@ -364,7 +373,7 @@ async def test_openai_replicas_serve_a_tier_and_a_cascade_step():
             models = (await r.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)).models
     assert text_of(msgs) == "Hello, world" and not strong.generate_calls, msgs[0].route
     assert msgs[0].route.replica == f"{oai.url}#{oai.model}"
-    assert msgs[0].route.cascade[0].reason == "confident"
+    assert msgs[0].route.cascade[0].reason == CONFIDENT
     assert oai.bodies[0]["prompt"] == "Say hello" and oai.bodies[0]["logprobs"] == 0
     assert oai.bodies[0]["max_tokens"] == 3 and oai.bodies[0]["model"] == "fake-oai"
     assert msgs[-1].response.final.usage.completion_tokens == 3
@@ -374,9 +383,9 @@ async def test_openai_replicas_serve_a_tier_and_a_cascade_step():
 
 async def test_route_decisions_are_span_attributes():
     spans = InMemorySpanExporter()
-    setup_telemetry("kvmesh-router-test", span_exporter=spans)
+    telemetry = Telemetry.create("kvmesh-router-test", span_exporter=spans)
     async with fake_engines(Script(logprobs=[-3.0] * 3), Script()) as (cheap, strong):
-        async with serving_router(cascade_config(cheap, strong)) as r:
+        async with serving_router(cascade_config(cheap, strong), telemetry) as r:
             await r.collect(route_request())
     [server] = [s for s in spans.get_finished_spans()
                 if s.name == "/kvmesh.router.v1.RouterService/Generate"]
@@ -437,7 +446,7 @@ async def test_real_engines_kv_aware_placement_and_a_cascade(tiny):
     cores = [make_core(tiny, num_blocks=64, block_size=16, max_num_batched_tokens=64)
              for _ in range(2)]
     async with serve_engine(cores[0]) as e0, serve_engine(cores[1]) as e1:
-        warm = engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=prompt),
+        warm = engine_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt),
                                           sampling=engine_pb2.SamplingParams(max_tokens=1))
         await e1.collect(warm)                                # e1 now holds 96 prompt tokens
         cfg = router_config(tiers=f"t={e0.address},{e1.address};cheap={e0.address}@0.1;"
@@ -448,12 +457,11 @@ async def test_real_engines_kv_aware_placement_and_a_cascade(tiny):
             kept = await r.collect(route_request(prompt[:20], model="auto", max_tokens=4,
                                                  ignore_eos=True, logprobs=2))
     route = placed[0].route
-    assert (route.replica, route.policy, route.expected_cached_tokens) == (e1.address,
-                                                                          "kv_aware", 96)
+    assert (route.replica, route.policy, route.expected_cached_tokens) == (e1.address, KV_AWARE, 96)
     assert placed[-1].response.final.usage.cached_prompt_tokens == 96
     steps = kept[0].route.cascade
-    assert steps[0].tier == "cheap" and steps[0].signal == "neg_entropy"
-    assert steps[0].reason in ("confident", "low_confidence")
-    lps = [lp for m in kept for lp in m.response.logprobs]
+    assert steps[0].tier == "cheap" and steps[0].signal == router_pb2.CONFIDENCE_SIGNAL_NEG_ENTROPY
+    assert steps[0].reason in (CONFIDENT, LOW_CONFIDENCE)
+    lps = [lp for m in kept for lp in m.response.delta.logprobs]
     assert len(lps) == 4 and all(len(lp.top) == 2 for lp in lps)  # as asked, not the forced 5
     assert kept[-1].response.final.usage.completion_tokens == 4

@@ -176,3 +176,56 @@ def test_help_lists_every_field_with_its_env_var(capsys: pytest.CaptureFixture[s
         assert f"KVMESH_DEMO_{field.name.upper()}" in text
     assert "gRPC port; 0 picks a free one." in text
     assert "A demo service." in text
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where a demo server listens."""
+
+    host: str = setting("127.0.0.1", "Address the server binds.")
+    port: int = setting(0, "Port; 0 picks a free one.", min=0, max=65535)
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """A demo service whose server settings are a group."""
+
+    listen: Listen = Listen(port=50071)
+    name: str = setting("demo", "Served name.")
+
+
+def load_grouped(argv: list[str] | None = None, env: dict[str, str] | None = None) -> GroupedConfig:
+    return load_config(GroupedConfig, "demo", argv or [], env or {})
+
+
+def test_a_groups_fields_are_flags_named_as_if_declared_at_the_top() -> None:
+    assert load_grouped().listen == Listen(port=50071)  # the group's default instance
+    cfg = load_grouped(["--port", "9"], {"KVMESH_DEMO_HOST": "0.0.0.0", "KVMESH_DEMO_PORT": "7"})
+    assert cfg == GroupedConfig(Listen("0.0.0.0", 9), "demo")
+    with pytest.raises(ConfigError) as err:
+        load_grouped(["--port", "70000"])
+    assert str(err.value) == ("--port '70000' is above the maximum 65535; use >= 0 and <= 65535, "
+                              "for example pass --port 50071")
+
+
+def test_a_groups_fields_get_typo_protection_and_describe_and_help(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="did you mean KVMESH_DEMO_PORT?"):
+        load_grouped(env={"KVMESH_DEMO_PROT": "1"})
+    with pytest.raises(ConfigError, match=r"unknown flag --prot; did you mean --port\?"):
+        load_grouped(["--prot", "1"])
+    assert describe(load_grouped()) == "GroupedConfig(host='127.0.0.1', port=50071, name='demo')"
+    with pytest.raises(SystemExit):
+        load_grouped(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--port PORT Port; 0 picks a free one. [env KVMESH_DEMO_PORT; default: 50071]" in text
+
+
+def test_a_group_field_clashing_with_another_field_is_refused() -> None:
+    @dataclass(frozen=True)
+    class Clash:
+        listen: Listen = Listen()
+        port: int = setting(1, "Port.")
+
+    with pytest.raises(TypeError, match="--port is declared twice"):
+        load_config(Clash, "demo", [], {})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import Iterator
 
+from kvmesh.kv.namespace import KvNamespace
+from kvmesh.kv.namespace_proto import namespace_to_proto
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 
 PART_BYTES = 1 << 20
@@ -24,10 +26,12 @@ def slices(blob: bytes, part_bytes: int = PART_BYTES) -> Iterator[bytes]:
         yield bytes(view[start:start + part_bytes])
 
 
-def put_requests(key: bytes, blob: bytes, *, ttl_s: float | None = None, pinned: bool = False,
-                 part_bytes: int = PART_BYTES) -> Iterator[pb.PutRequest]:
-    """The client stream of one Put: the header (size, checksum, TTL, pin), then the data slices."""
-    header = pb.PutHeader(key=key, total_bytes=len(blob), checksum=checksum(blob), pinned=pinned)
+def put_requests(key: bytes, blob: bytes, namespace: KvNamespace, *, ttl_s: float | None = None,
+                 pinned: bool = False, part_bytes: int = PART_BYTES) -> Iterator[pb.PutRequest]:
+    """The client stream of one Put: the header (size, checksum, the namespace the blob was
+    encoded for, TTL, pin), then the data slices."""
+    header = pb.PutHeader(key=key, total_bytes=len(blob), checksum=checksum(blob),
+                          namespace=namespace_to_proto(namespace), pinned=pinned)
     if ttl_s is not None:
         header.ttl_s = ttl_s
     yield pb.PutRequest(header=header)

@@ -18,8 +18,10 @@ partial sums; -ffast-math for a vectorised exp) and split over the calling threa
 the process keeps one OpenMP runtime and one team; see the comment at the loop for why not
 at::parallel_for). Where it cannot be built (no compiler, another
 platform) or ``KVMESH_NATIVE=0``, ``paged_decode_kernel()`` is None and the torch path runs:
-the kernel is an optimisation, never a requirement. Its results match SDPA's to float rounding
-(summation order differs), which the tests check.
+the kernel is an optimisation, never a requirement -- unless ``KVMESH_NATIVE=1`` asks for it,
+and then a build failure is an error carrying the compiler's output (so a broken kernel fails a
+test run instead of silently skipping the kernel's tests). Its results match SDPA's to float
+rounding (summation order differs), which the tests check.
 
 NOTE (linear_rows). fp32 ``x [M, K] @ w.T`` for 1-8 rows (kvmesh.model.llama.Linear routes
 them here): a decode step of a few sequences, or one sequence with its drafts being verified.
@@ -280,25 +282,42 @@ def _build_dir() -> Path:
     return default_cache_dir() / "native" / digest
 
 
+def _build():
+    """Compile (or load the cached build of) the extension; raises with the compiler's output."""
+    from torch.utils.cpp_extension import load_inline
+
+    folder = _build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return load_inline(name="kvmesh_native", cpp_sources=[_SOURCE],
+                       functions=["paged_decode", "linear_rows", "quantize_rows", "rescale_rows"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+
+
 def _native():
-    """The compiled module, or None where it cannot be built or KVMESH_NATIVE=0 (built once per
-    process, then cached on disk)."""
+    """The compiled module (built once per process, then cached on disk), or None with
+    KVMESH_NATIVE=0 or, KVMESH_NATIVE unset, where it cannot be built. With KVMESH_NATIVE=1 a
+    failed build raises RuntimeError with the compiler's output (again at every call)."""
     global _module, _tried
     if _tried:
         return _module
     with _lock:
-        if not _tried and os.environ.get("KVMESH_NATIVE", "1") != "0":
+        if _tried:
+            return _module
+        mode = os.environ.get("KVMESH_NATIVE", "")
+        if mode not in ("", "0", "1"):
+            raise ValueError(f"KVMESH_NATIVE={mode!r}: use 1 (require the native kernels), 0 (the "
+                             "torch paths) or leave it unset (the native kernels where they build)")
+        if mode != "0":
             try:
-                from torch.utils.cpp_extension import load_inline
-
-                folder = _build_dir()
-                folder.mkdir(parents=True, exist_ok=True)
-                _module = load_inline(name="kvmesh_native", cpp_sources=[_SOURCE],
-                                      functions=["paged_decode", "linear_rows", "quantize_rows", "rescale_rows"],
-                                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
-            except Exception as err:  # no compiler, no ninja, another platform: the torch paths run
-                log.warning("native kernels unavailable (%s); using the torch paths", err)
+                _module = _build()
+            except Exception as err:
+                if mode == "1":
+                    raise RuntimeError(f"KVMESH_NATIVE=1 but the native kernels did not build: "
+                                       f"{err}") from err
+                # no compiler, no ninja, another platform: the torch paths run
+                log.warning("native kernels unavailable (%s); using the torch paths "
+                            "(KVMESH_NATIVE=1 makes this an error)", err)
         _tried = True
         return _module
 

@@ -7,7 +7,8 @@ Every kvmesh servicer method runs inside `ServerInterceptor`, which
 - maps any other exception to INTERNAL, logging its traceback; the server keeps serving;
 - opens a SERVER span named after the full method, parented by the W3C `traceparent` in the
   call's metadata, current while the method's code runs (so its outgoing calls join the trace);
-- records `kvmesh_rpc_server_handled_total` and `kvmesh_rpc_server_handling_seconds`;
+- records `kvmesh_rpc_server_handled_total` and `kvmesh_rpc_server_handling_seconds` in the
+  server's registry;
 - exposes the call's deadline to outgoing calls (`inbound_deadline`), counts calls in flight
   so a draining server knows when they are done, and, once told the server is draining,
   refuses new calls with UNAVAILABLE (a clear "retry elsewhere" for routers).
@@ -31,22 +32,29 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvmesh.errors import KvmeshError
 from kvmesh.metrics import metric_name
-from kvmesh.telemetry import extract_context, tracer
+from kvmesh.telemetry import Telemetry, extract_context
 
 log = logging.getLogger(__name__)
 
 _PASS_THROUGH = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-HANDLED = Counter(metric_name("rpc", "server_handled"), "Finished server calls by status code.",
-                  ["grpc_service", "grpc_method", "grpc_code"])
-HANDLING_SECONDS = Histogram(metric_name("rpc", "server_handling_seconds"),
-                             "Server call duration, first byte in to status out.",
-                             ["grpc_service", "grpc_method"],
-                             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300))
+
+class RpcMetrics:
+    """A server's call counts and durations, registered in its service's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.handled = Counter(
+            metric_name("rpc", "server_handled"), "Finished server calls by status code.",
+            ["grpc_service", "grpc_method", "grpc_code"], registry=registry)
+        self.handling_seconds = Histogram(
+            metric_name("rpc", "server_handling_seconds"),
+            "Server call duration, first byte in to status out.", ["grpc_service", "grpc_method"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300), registry=registry)
+
 
 # time.monotonic() by which the call being served must finish; None outside a call or when the
 # caller set no deadline.
@@ -69,11 +77,12 @@ class _Call:
         self.code = grpc.StatusCode.OK
         self.message = ""
         remote = extract_context(context.invocation_metadata())
-        self.span = tracer("kvmesh.rpc").start_span(
+        self.span = owner.telemetry.tracer("kvmesh.rpc").start_span(
             method, context=remote, kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": self.service,
                         "rpc.method": self.name})
-        self.otel_context = trace.set_span_in_context(self.span, remote)
+        # the servicer's code (its outgoing calls, its own spans) traces into this server's provider
+        self.otel_context = owner.telemetry.context(trace.set_span_in_context(self.span, remote))
         remaining = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
         owner._enter()
@@ -115,15 +124,20 @@ class _Call:
         if self.code is not grpc.StatusCode.OK:
             self.span.set_status(Status(StatusCode.ERROR, f"{self.code.name}: {self.message}"))
         self.span.end()
-        HANDLED.labels(self.service, self.name, self.code.name).inc()
-        HANDLING_SECONDS.labels(self.service, self.name).observe(time.perf_counter() - self.started)
+        metrics = self.owner.metrics
+        metrics.handled.labels(self.service, self.name, self.code.name).inc()
+        metrics.handling_seconds.labels(self.service, self.name).observe(
+            time.perf_counter() - self.started)
         self.owner._leave()
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every async servicer method of one server (see the module docstring)."""
+    """Wraps every async servicer method of one server (see the module docstring); spans go to
+    `telemetry`'s provider, metrics to its registry."""
 
-    def __init__(self) -> None:
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.metrics = RpcMetrics(telemetry.registry)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -168,12 +182,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(**{kind: self._wrap(method, behavior)})
         return handler
 
-    @staticmethod
-    def _refuse(method: str, message: str):
+    def _refuse(self, method: str, message: str):
         service, _, name = method.lstrip("/").rpartition("/")
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> NoReturn:
-            HANDLED.labels(service, name, grpc.StatusCode.UNAVAILABLE.name).inc()
+            self.metrics.handled.labels(service, name, grpc.StatusCode.UNAVAILABLE.name).inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         return refuse
 

@@ -1,11 +1,13 @@
-"""RpcServer: an asyncio gRPC server with kvmesh's interceptor, health, reflection and drain.
+"""RpcServer: an asyncio gRPC server with kvmesh's interceptor, health, reflection and drain,
+and `ServerSettings`, the server flags every service shares.
 
-A service's `__main__` wires it up and hands it to `run_service`:
+The entry helper (kvmesh.rpc.entry) builds it from a service's parts and hands it to
+`run_service`; tests build it directly:
 
-    server = RpcServer("kvcache", ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s),
+    server = RpcServer("kvcache", cfg.server,
                        lambda s: kvcache_pb2_grpc.add_KvcacheServiceServicer_to_server(servicer, s),
-                       [KVCACHE_SERVICE_FULL_NAME], on_drain=store.flush)
-    await run_service(server, config=cfg)      # start, log, SIGTERM → drain, wait
+                       [KVCACHE_SERVICE_FULL_NAME], telemetry=telemetry, on_drain=store.flush)
+    await run_service(server)      # start, log, SIGTERM → drain, wait
 
 NOTE (drain): at once, health reports NOT_SERVING (to Check and to open Watch streams) and new
 calls are answered UNAVAILABLE "draining; retry on another replica" — the server keeps its port
@@ -22,40 +24,34 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.config import describe
-from kvmesh.metrics import start_metrics_server
+from kvmesh.config import setting
+from kvmesh.metrics import MetricsServer, start_metrics_server
 from kvmesh.rpc import DEFAULT_MAX_MESSAGE_BYTES
 from kvmesh.rpc.interceptors import ServerInterceptor
+from kvmesh.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ServerOptions:
-    """Where an RpcServer listens and how it shuts down.
+class ServerSettings:
+    """Where a service's gRPC server listens, how it shuts down and where its metrics and traces
+    go. Every service config holds one (`cfg.server`), with its own default port; its flags keep
+    their short names (--port, KVMESH_<SERVICE>_PORT)."""
 
-    `port` 0 picks a free port (returned by `start`); `metrics_port` serves Prometheus
-    /metrics on the same host (0 = free port, None or negative = off).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    grace_s: float = 10.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    metrics_port: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535 (0 = any free port), got {self.port}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
-        if self.max_message_bytes <= 0:
-            raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
+    host: str = setting("127.0.0.1", "Address the gRPC server binds (loopback by default).")
+    port: int = setting(0, "gRPC port; 0 picks a free one (printed at start).", min=0, max=65535)
+    metrics_port: int = setting(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.",
+                                min=-1, max=65535)
+    grace_s: float = setting(10.0, "Seconds in-flight calls get to finish on SIGTERM.", min=0.0)
+    otlp_endpoint: Optional[str] = setting(
+        None, "OTLP gRPC endpoint for traces (e.g. http://127.0.0.1:4317); unset disables export.")
 
 
 def _address(host: str, port: int) -> str:
@@ -69,19 +65,23 @@ class RpcServer:
     "kvmesh.engine.v1.EngineService") are announced by reflection and reported SERVING by
     health once started. `on_drain` is awaited once when a drain begins, after new calls are
     refused, alongside the in-flight calls (e.g. stop admitting work, flush, wait for jobs).
+    Spans go to `telemetry`'s provider; RPC metrics are registered in its registry (so one
+    server per registry), which `settings.metrics_port` serves while the server runs.
     """
 
-    def __init__(self, name: str, options: ServerOptions,
-                 register: Callable[[grpc.aio.Server], None], service_full_names: list[str],
+    def __init__(self, name: str, settings: ServerSettings,
+                 register: Callable[[grpc.aio.Server], None], service_full_names: list[str], *,
+                 telemetry: Telemetry,
                  on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
         self.name = name
-        self.options = options
+        self.settings = settings
+        self.telemetry = telemetry
         self.port: int | None = None
-        self.metrics_port: int | None = None
+        self._metrics: MetricsServer | None = None
         self._register = register
         self.services = tuple(service_full_names)
         self._on_drain = on_drain
-        self._interceptor = ServerInterceptor()
+        self._interceptor = ServerInterceptor(telemetry)
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._drain_task: asyncio.Task[None] | None = None
@@ -91,24 +91,28 @@ class RpcServer:
     @property
     def address(self) -> str:
         """host:port the server listens on (after `start`)."""
-        return _address(self.options.host, self.port or self.options.port)
+        return _address(self.settings.host, self.port or self.settings.port)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the /metrics endpoint while it is served, else None."""
+        return None if self._metrics is None else self._metrics.port
 
     async def start(self) -> int:
         """Bind, register everything, start serving and report SERVING; returns the port."""
         if self._server is not None:
             raise RuntimeError(f"{self.name} server already started")
-        size = self.options.max_message_bytes
         server = grpc.aio.server(
             interceptors=[self._interceptor],
-            options=[("grpc.max_send_message_length", size),
-                     ("grpc.max_receive_message_length", size),
+            options=[("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                     ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                      ("grpc.so_reuseport", 0)])  # a busy port is an error, never shared
         self._register(server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             [*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        address = _address(self.options.host, self.options.port)
+        address = _address(self.settings.host, self.settings.port)
         try:
             port = server.add_insecure_port(address)
         except RuntimeError as e:
@@ -118,18 +122,19 @@ class RpcServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server, self.port = server, port
-        self.metrics_port = start_metrics_server(self.options.host, self.options.metrics_port)
+        self._metrics = start_metrics_server(self.settings.host, self.settings.metrics_port,
+                                             self.telemetry.registry)
         return port
 
     async def drain(self, grace_s: float | None = None) -> None:
-        """Stop gracefully (see the module NOTE); `grace_s` defaults to the options' grace.
+        """Stop gracefully (see the module NOTE); `grace_s` defaults to the settings' grace.
 
         Idempotent: later calls wait for the drain already under way.
         """
         if self._server is None:
             raise RuntimeError(f"{self.name} server is not started")
         if self._drain_task is None:
-            grace = self.options.grace_s if grace_s is None else grace_s
+            grace = self.settings.grace_s if grace_s is None else grace_s
             self._drain_task = asyncio.ensure_future(self._drain(grace))
         await asyncio.shield(self._drain_task)
 
@@ -152,6 +157,9 @@ class RpcServer:
             idle.cancel()
             hook.cancel()
             await self._server.stop(None)  # cancels what is left, health watches included
+            if self._metrics is not None:
+                await asyncio.to_thread(self._metrics.close)
+                self._metrics = None
             log.info("%s: stopped", self.name)
         finally:
             self._closed.set()
@@ -173,7 +181,7 @@ class RpcServer:
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._drain_task is None:
             log.info("%s: %s received, draining (send it again to stop now)", self.name, sig.name)
-            self._drain_task = asyncio.ensure_future(self._drain(self.options.grace_s))
+            self._drain_task = asyncio.ensure_future(self._drain(self.settings.grace_s))
         elif self._server is not None and self._force_task is None:
             log.warning("%s: second %s, stopping now", self.name, sig.name)
             self._force_task = asyncio.ensure_future(self._server.stop(None))
@@ -185,18 +193,16 @@ class RpcServer:
             await self._drain_task
 
 
-async def run_service(server: RpcServer, *, config: object | None = None) -> None:
-    """Start `server`, log `config` and the address, drain on SIGTERM/SIGINT, wait until closed.
+async def run_service(server: RpcServer) -> None:
+    """Start `server`, log the address, drain on SIGTERM/SIGINT, wait until closed.
 
     Also prints one line `kvmesh-<name> listening on <host>:<port>` to stdout for launchers.
     """
-    if config is not None:
-        log.info("%s config: %s", server.name, describe(config))
     port = await server.start()
     server.install_signal_handlers()
     log.info("%s: serving %s on %s", server.name, ", ".join(server.services), server.address)
     if server.metrics_port is not None:
         log.info("%s: metrics on http://%s/metrics", server.name,
-                 _address(server.options.host, server.metrics_port))
-    print(f"kvmesh-{server.name} listening on {_address(server.options.host, port)}", flush=True)
+                 _address(server.settings.host, server.metrics_port))
+    print(f"kvmesh-{server.name} listening on {_address(server.settings.host, port)}", flush=True)
     await server.wait_closed()

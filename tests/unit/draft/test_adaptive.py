@@ -1,5 +1,6 @@
-"""The adaptive policy on scripted acceptance histories: exact choices, stopping when drafting
-does not pay, probing, recovery, and the acceptance estimator."""
+"""The adaptive policy on scripted acceptance histories: exact drafter choices at the length each
+drafter gives (the engine's, or the n-gram match), stopping when drafting does not pay,
+probing, recovery, and the acceptance estimator."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from kvmesh.services.draft.drafters import DrafterKind
 NGRAM, MODEL = DrafterKind.NGRAM, DrafterKind.MODEL
 ORDER = (NGRAM, MODEL)
 PARAMS = AdaptiveParams(draft_cost={NGRAM: 0.0, MODEL: 0.6}, verify_cost=0.1, decay=0.8,
-                        prior_alpha=0.5, prior_weight=2.0, min_gain=0.05, probe_every=4, probe_tokens=2)
+                        prior_alpha=0.5, prior_weight=2.0, min_gain=0.05, probe_every=4)
 
 
 def est(alpha: float, weight: float = 10.0, idle: int = 0) -> Acceptance:
@@ -36,35 +37,36 @@ def test_estimator_counts_trials_up_to_the_first_rejection():
     assert (b.successes, b.trials) == (2.0, 3.0)
 
 
-def test_fresh_sequence_drafts_two_ngram_tokens_and_skips_the_costly_model():
-    # a = 0.5: ngram k=1 1.364, k=2 1.458, k=3 1.442; model k=1 1.5/1.7 < 1
+def test_fresh_sequence_drafts_the_whole_ngram_match_and_skips_the_costly_model():
+    # a = 0.5: ngram k=8 (1 + 0.996) / 1.8 = 1.109; model k=8 1.996 / 6.6 < 1
     state = AdaptiveState.fresh(PARAMS, ORDER)
     assert choose(state.estimates, {NGRAM: 8, MODEL: 8}, PARAMS, ORDER) == \
-        Choice(NGRAM, 2, pytest.approx(1.75 / 1.2))
+        Choice(NGRAM, 8, pytest.approx((1 + expected_accepted(0.5, 8)) / 1.8))
     assert choose(state.estimates, {NGRAM: 0, MODEL: 8}, PARAMS, ORDER).drafter is None
 
 
-def test_a_good_model_beats_a_poor_ngram_and_picks_its_length():
-    # model a=0.95, cost 0.7/draft: k=3 rate 3.7099/3.1 = 1.197 (k=2 1.189, k=4 1.191);
-    # ngram a=0.2: k=1 1.2/1.1 = 1.091
-    choice = choose({NGRAM: est(0.2), MODEL: est(0.95)}, {NGRAM: 8, MODEL: 8}, PARAMS, ORDER)
+def test_a_good_model_beats_a_poor_ngram_at_the_engines_length():
+    # k=3 asked: model a=0.95, cost 0.7/draft: 3.7099/3.1 = 1.197; ngram a=0.2: 1.248/1.3 < 1
+    choice = choose({NGRAM: est(0.2), MODEL: est(0.95)}, {NGRAM: 3, MODEL: 3}, PARAMS, ORDER)
     assert (choice.drafter, choice.tokens) == (MODEL, 3)
     assert choice.rate == pytest.approx((1 + 0.95 + 0.95**2 + 0.95**3) / 3.1)
 
 
-def test_ties_go_to_the_cheaper_drafter_and_the_budget_caps_the_length():
+def test_ties_go_to_the_cheaper_drafter_and_each_is_priced_at_the_length_it_gives():
     free_model = AdaptiveParams(draft_cost={NGRAM: 0.0, MODEL: 0.0}, verify_cost=0.1)
     estimates = {NGRAM: est(0.9), MODEL: est(0.9)}
     assert choose(estimates, {NGRAM: 16, MODEL: 16}, free_model, ORDER).drafter is NGRAM
-    assert choose(estimates, {NGRAM: 3, MODEL: 16}, free_model, ORDER).drafter is MODEL  # longer
+    assert choose(estimates, {NGRAM: 3, MODEL: 16}, free_model, ORDER) == \
+        Choice(MODEL, 16, pytest.approx((1 + expected_accepted(0.9, 16)) / 2.6))  # the longer one
     assert choose(estimates, {NGRAM: 1, MODEL: 1}, free_model, ORDER) == \
         Choice(NGRAM, 1, pytest.approx(1.9 / 1.1))
 
 
 def test_nothing_is_drafted_below_min_gain():
-    # a = 0.15: k=1 rate 1.15/1.1 = 1.045 < 1.05
-    assert choose({NGRAM: est(0.15), MODEL: est(0.5)}, {NGRAM: 4, MODEL: 4}, PARAMS, ORDER) == \
-        Choice(None, 0, 1.0)
+    # a = 0.15: ngram k=1 rate 1.15/1.1 = 1.045 < 1.05; k=4 1.176/1.4 < 1; model k=4 1.94/3.8
+    for k in (1, 4):
+        assert choose({NGRAM: est(0.15), MODEL: est(0.5)}, {NGRAM: k, MODEL: k}, PARAMS, ORDER) == \
+            Choice(None, 0, 1.0)
 
 
 def run(state: AdaptiveState, steps: int, accept, available=None) -> list[tuple]:
@@ -78,22 +80,20 @@ def run(state: AdaptiveState, steps: int, accept, available=None) -> list[tuple]
     return out
 
 
-def test_rejections_shrink_the_draft_stop_drafting_and_probe_every_few_calls():
-    # a: 0.5 -> 0.308 (k=1 1.189 beats k=2 1.169) -> 0.208 (1.098) -> 0.148 (1.044: stop)
+def test_rejections_stop_drafting_and_a_probe_comes_every_few_calls():
+    # a: 0.5 (k=8: 1.109) -> 0.308 (0.80: stop); idle 4 calls -> a probe at the full length
     got = run(AdaptiveState.fresh(PARAMS, ORDER), 13, lambda step, choice: 0)
     none = (None, 0, False)
-    assert got == [("ngram", 2, False), ("ngram", 1, False), ("ngram", 1, False),
-                   none, none, none, none, ("ngram", 2, True),
-                   none, none, none, none, ("ngram", 2, True)]
+    assert got == [("ngram", 8, False), none, none, none, none, ("ngram", 8, True),
+                   none, none, none, none, ("ngram", 8, True), none, none]
 
 
 def test_a_probe_that_is_accepted_brings_drafting_back():
     state = AdaptiveState.fresh(PARAMS, ORDER)
-    run(state, 12, lambda step, choice: 0)           # as above: written off, probed once
-    after = run(state, 4, lambda step, choice: choice.tokens)  # the sequence turned repetitive
-    assert after[0] == ("ngram", 2, True)           # the second probe, fully accepted
-    assert [d for d, _, _ in after[1:]] == ["ngram"] * 3
-    assert [k for _, k, _ in after[1:]] == sorted(k for _, k, _ in after[1:])  # growing
+    run(state, 12, lambda step, choice: 0)           # as above: written off, probed twice
+    after = run(state, 7, lambda step, choice: choice.tokens)  # the sequence turned repetitive
+    assert after[:4] == [(None, 0, False)] * 3 + [("ngram", 8, True)]  # the third probe, all accepted
+    assert after[4:] == [("ngram", 8, False)] * 3
 
 
 def test_the_unused_drafter_is_probed_while_the_other_one_drafts():
@@ -101,8 +101,8 @@ def test_the_unused_drafter_is_probed_while_the_other_one_drafts():
     got = run(state, 10, lambda step, choice: choice.tokens if choice.drafter is NGRAM else 0,
               available={NGRAM: 8, MODEL: 8})
     probes = [i for i, (d, _, probe) in enumerate(got) if probe]
-    assert probes == [4, 9] and all(got[i][0] == "model" for i in probes)
-    assert all(got[i][0] == "ngram" for i in range(10) if i not in probes)
+    assert probes == [4, 9] and all(got[i][:2] == ("model", 8) for i in probes)
+    assert all(got[i][:2] == ("ngram", 8) for i in range(10) if i not in probes)
 
 
 def test_feedback_is_ignored_without_a_proposal_or_estimate():
@@ -126,7 +126,7 @@ def test_a_drafter_too_expensive_even_when_always_right_is_probed_rarely():
     kinds = [DrafterKind.NGRAM, DrafterKind.MODEL]
     for model_cost, interval in ((0.6, 4), (5.0, 4 * HOPELESS_PROBE_FACTOR)):
         params = AdaptiveParams(draft_cost={DrafterKind.NGRAM: 0.0, DrafterKind.MODEL: model_cost},
-                                probe_every=4, probe_tokens=2)
+                                probe_every=4)
         state = AdaptiveState.fresh(params, kinds)
         probes = [i for i in range(200)
                   if state.decide({DrafterKind.NGRAM: 0, DrafterKind.MODEL: 4}, params, kinds).probe]

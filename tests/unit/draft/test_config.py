@@ -13,7 +13,7 @@ def load(argv=(), env=None) -> DraftConfig:
 
 def test_defaults():
     cfg = load()
-    assert (cfg.port, cfg.draft_model, cfg.draft_weights, cfg.draft_num_layers, cfg.threads) == \
+    assert (cfg.server.port, cfg.draft_model, cfg.draft_weights, cfg.draft_num_layers, cfg.threads) == \
         (50091, "bundled", "int4", 0, 1)
     assert (cfg.state_ttl_s, cfg.default_drafter, cfg.ngram_min, cfg.ngram_max) == (60.0, "adaptive", 2, 4)
     assert cfg.draft_dtype == "float32" and cfg.target_model == ""

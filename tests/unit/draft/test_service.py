@@ -3,12 +3,13 @@ drafter call per Propose, adaptive planning, validation and metrics."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import REGISTRY
+from prometheus_client import CollectorRegistry
 
-from draft_utils import FakeClock
+from fake_clock import FakeClock
 from kvmesh.errors import FailedPrecondition, InvalidArgument
 from kvmesh.services.draft.adaptive import AdaptiveParams
 from kvmesh.services.draft.drafters import DrafterKind, DrafterRegistry, Proposal
+from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.ngram import NgramDrafter
 from kvmesh.services.draft.service import DraftService, SequenceRequest
 from kvmesh.services.draft.state import StateStore
@@ -50,7 +51,8 @@ def make_service(*, model=True, ttl_s=60.0, max_sequences=16, default=ADAPTIVE, 
     store = StateStore(ttl_s=ttl_s, max_sequences=max_sequences, on_drop=registry.release, clock=clock)
     adaptive = AdaptiveParams(draft_cost={NGRAM: 0.0, MODEL: 0.6}, **params)
     service = DraftService(registry, store, target_model="digest", max_draft_tokens=8,
-                           default_drafter=default, adaptive=adaptive, vocab_size=1000)
+                           default_drafter=default, adaptive=adaptive,
+                           metrics=DraftMetrics(CollectorRegistry()), vocab_size=1000)
     return service, clock, (drafters[1] if model else None)
 
 
@@ -59,8 +61,8 @@ def req(sid, new, committed=None, k=4, drafter=NGRAM, **kw) -> SequenceRequest:
     return SequenceRequest(sid, list(new), committed, k, drafter, **kw)
 
 
-def metric(name, **labels):
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def metric(service, name, **labels):
+    return service.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def test_first_call_then_increments_then_a_mismatch_asks_for_a_resync():
@@ -69,10 +71,10 @@ def test_first_call_then_increments_then_a_mismatch_asks_for_a_resync():
     assert (a.token_ids, a.drafter, a.needs_resync) == ([3, 1, 2, 3], NGRAM, False)
     [a] = service.propose([req("a", [3, 1], committed=10)])
     assert a.token_ids == [2, 3, 1, 2]
-    before = metric("kvmesh_draft_resyncs_total")
+    before = metric(service, "kvmesh_draft_resyncs_total")
     [a] = service.propose([req("a", [2], committed=12)])           # a call was lost
     assert (a.needs_resync, a.token_ids, a.drafter) == (True, [], NGRAM)
-    assert metric("kvmesh_draft_resyncs_total") == before + 1
+    assert metric(service, "kvmesh_draft_resyncs_total") == before + 1
     assert service.store.get("a").tokens == REPEAT + [3, 1]       # kept as it was
     [a] = service.propose([req("a", [], resync=[5, 6, 5, 6, 5], committed=5)])
     assert (a.needs_resync, a.token_ids) == (False, [6, 5, 6, 5])
@@ -110,38 +112,47 @@ def test_each_drafter_runs_once_per_call_and_answers_keep_their_order():
 
 def test_last_accepted_scores_the_previous_proposal_once():
     service, _, _ = make_service()
-    accepted = metric("kvmesh_draft_accepted_tokens_total", drafter="model")
+    accepted = metric(service, "kvmesh_draft_accepted_tokens_total", drafter="model")
     service.propose([req("a", [1, 2, 3], drafter=MODEL, k=4)])
     service.propose([req("a", [500, 501, 7], committed=6, drafter=MODEL, k=4, last_accepted=2)])
-    assert metric("kvmesh_draft_accepted_tokens_total", drafter="model") == accepted + 2
+    assert metric(service, "kvmesh_draft_accepted_tokens_total", drafter="model") == accepted + 2
     estimate = service.store.get("a").slots
     assert "adaptive" not in estimate  # only adaptive sequences keep estimates
     service.propose([req("a", [8], committed=7, k=0, last_accepted=9)])  # clamped to 4 proposed
-    assert metric("kvmesh_draft_accepted_tokens_total", drafter="model") == accepted + 6
+    assert metric(service, "kvmesh_draft_accepted_tokens_total", drafter="model") == accepted + 6
     service.propose([req("a", [9], committed=8, k=0, last_accepted=3)])  # nothing was proposed
-    assert metric("kvmesh_draft_accepted_tokens_total", drafter="model") == accepted + 6
+    assert metric(service, "kvmesh_draft_accepted_tokens_total", drafter="model") == accepted + 6
 
 
 def test_adaptive_uses_the_ngram_match_and_stops_when_nothing_pays():
     service, _, model = make_service(probe_every=100)
     [a] = service.propose([req("a", REPEAT, drafter=ADAPTIVE, k=8)])
-    assert (a.drafter, a.token_ids) == (NGRAM, [3, 1])  # prior a = 0.5: two drafts pay best
+    assert (a.drafter, a.token_ids) == (NGRAM, [3, 1, 2, 3, 1, 2, 3, 1])  # prior a = 0.5: the match pays
     [b] = service.propose([req("b", [1, 2, 3, 4], drafter=ADAPTIVE, k=8)])
     assert (b.drafter, b.token_ids) == (ADAPTIVE, [])   # no match; the model does not pay at 0.5
-    lengths = []
     for _ in range(4):  # the text keeps repeating 1 2 3: every draft is accepted
         committed = len(service.store.get("a").tokens) + len(a.token_ids) + 1
         new = a.token_ids + [committed % 3 or 3]
         [a] = service.propose([req("a", new, committed=committed, drafter=ADAPTIVE, k=8,
                                    last_accepted=len(a.token_ids))])
-        lengths.append(len(a.token_ids))
-    assert a.drafter is NGRAM and lengths == sorted(lengths) and lengths[-1] > 2
+        assert a.drafter is NGRAM and len(a.token_ids) == 8
     assert model.batches == []
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_drafts_are_the_engines_length(k):
+    """Adaptive picks the drafter, never the length (the n-gram lookup gives none only when
+    nothing matches, see test_adaptive_uses_the_ngram_match_and_stops_when_nothing_pays)."""
+    service, _, model = make_service(probe_every=100)
+    [a] = service.propose([req("a", REPEAT, drafter=ADAPTIVE, k=k)])
+    assert (a.drafter, a.token_ids) == (NGRAM, [3, 1, 2, 3, 1, 2, 3, 1][:k])
+    [m] = service.propose([req("m", [9, 9], drafter=MODEL, k=k)])
+    assert len(m.token_ids) == k and model.batches == [[("m", k)]]
+
+
 def test_adaptive_moves_to_a_model_that_is_always_right():
-    service, _, model = make_service(probe_every=2, probe_tokens=2)
-    tokens, accepted, choices = [1, 2, 3, 4], None, []
+    service, _, model = make_service(probe_every=2)
+    tokens, choices = [1, 2, 3, 4], []
     [d] = service.propose([req("s", tokens, drafter=ADAPTIVE, k=6)])
     for bonus in range(10, 22):  # unique tokens: the n-gram drafter never matches
         choices.append((d.drafter, len(d.token_ids)))
@@ -149,8 +160,10 @@ def test_adaptive_moves_to_a_model_that_is_always_right():
         tokens += new
         [d] = service.propose([req("s", new, committed=len(tokens), drafter=ADAPTIVE, k=6,
                                    last_accepted=len(d.token_ids))])
-    assert choices[:3] == [(ADAPTIVE, 0), (ADAPTIVE, 0), (MODEL, 2)]  # probed after 2 idle calls
-    assert d.drafter is MODEL and len(d.token_ids) > 2 and choices[-1][0] is MODEL
+    nothing, model_drafts = (ADAPTIVE, 0), (MODEL, 6)
+    # probed after 2 idle calls, at the engine's length; the second probe makes it pay
+    assert choices[:6] == [nothing, nothing, model_drafts, nothing, nothing, model_drafts]
+    assert choices[6:] == [model_drafts] * 6 and (d.drafter, len(d.token_ids)) == model_drafts
 
 
 def test_the_target_model_check():
@@ -197,42 +210,11 @@ def test_unspecified_means_the_default_drafter_and_info_lists_the_offer():
 
 def test_metrics_count_proposals_tokens_and_sequences():
     service, _, _ = make_service()
-    before = (metric("kvmesh_draft_proposals_total", drafter="ngram"),
-              metric("kvmesh_draft_proposed_tokens_total", drafter="ngram"),
-              metric("kvmesh_draft_propose_seconds_count"))
+    before = (metric(service, "kvmesh_draft_proposals_total", drafter="ngram"),
+              metric(service, "kvmesh_draft_proposed_tokens_total", drafter="ngram"),
+              metric(service, "kvmesh_draft_propose_seconds_count"))
     service.propose([req("a", REPEAT, k=3), req("b", [1, 2, 3], k=3)])
-    assert metric("kvmesh_draft_proposals_total", drafter="ngram") == before[0] + 2
-    assert metric("kvmesh_draft_proposed_tokens_total", drafter="ngram") == before[1] + 3
-    assert metric("kvmesh_draft_propose_seconds_count") == before[2] + 1
-    assert metric("kvmesh_draft_sequences") == 2
-
-
-@pytest.mark.parametrize("target_step_s, uses_model", [(1.0, True), (0.03, False)])
-def test_the_engine_step_time_prices_model_drafts(monkeypatch, target_step_s, uses_model):
-    # The model drafter "takes" 0.1 s per draft position (a fake clock it advances); the engine
-    # reports its step time. Cheap next to a 1 s step: adaptive keeps drafting with the model
-    # that is always right. At 3.3 target steps per draft position it stops after its probe.
-    now = [0.0]
-    monkeypatch.setattr("kvmesh.services.draft.service.time.perf_counter", lambda: now[0])
-    service, _, model = make_service(probe_every=2, probe_tokens=2)
-    scripted = model.propose
-
-    def timed(jobs):
-        now[0] += 0.1 * max(job.max_tokens for job in jobs)
-        return scripted(jobs)
-
-    model.propose = timed
-    tokens = [1, 2, 3, 4]
-    [d] = service.propose([req("s", tokens, drafter=ADAPTIVE, k=6)], target_step_s=target_step_s)
-    used = []
-    for bonus in range(10, 30):  # unique tokens: the n-gram drafter never matches
-        used.append(d.drafter is MODEL and len(d.token_ids) > 0)
-        new = d.token_ids + [bonus]
-        tokens += new
-        [d] = service.propose([req("s", new, committed=len(tokens), drafter=ADAPTIVE, k=6,
-                                   last_accepted=len(d.token_ids))], target_step_s=target_step_s)
-    late = used[len(used) // 2:]
-    if uses_model:
-        assert all(late)
-    else:
-        assert sum(late) <= len(late) // 2 + 1  # only the periodic probes (probe_every=2)
+    assert metric(service, "kvmesh_draft_proposals_total", drafter="ngram") == before[0] + 2
+    assert metric(service, "kvmesh_draft_proposed_tokens_total", drafter="ngram") == before[1] + 3
+    assert metric(service, "kvmesh_draft_propose_seconds_count") == before[2] + 1
+    assert metric(service, "kvmesh_draft_sequences") == 2

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from draft_utils import FakeClock
+from fake_clock import FakeClock
 from kvmesh.services.draft.state import SequenceState, StateStore
 
 

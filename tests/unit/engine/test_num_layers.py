@@ -71,8 +71,8 @@ def test_kv_namespaces_and_model_info_follow_the_layer_count(tiny):
     layouts = kv_layout(full.loaded), kv_layout(cut.loaded)
     assert (layouts[0].num_layers, layouts[1].num_layers) == (3, 2)
     info = model_info(cut, _engine_cfg(num_layers=2))
-    assert info.num_layers == 2 and info.weights_digest == tiny.weights_digest
-    assert model_info(full, _engine_cfg()).num_layers == 3
+    assert info.kv_namespace.layout.num_layers == 2 and info.weights_digest == tiny.weights_digest
+    assert model_info(full, _engine_cfg()).kv_namespace.layout.num_layers == 3
     # the prefix cache of one never serves the other (same prompt, same salt)
     run_all(full, {"a": PROMPT}, greedy(2, ignore_eos=True))
     assert full.cached_prefix_tokens(PROMPT) == 32 and cut.cached_prefix_tokens(PROMPT) == 0
@@ -104,7 +104,7 @@ def test_bundled_model_cut_after_loading_leaves_the_converted_weights_cache_whol
     prompt = bundled_model.tokenizer.encode("The capital of France is")
     got = run_all(core, {"a": prompt}, greedy(6, ignore_eos=True))["a"]["tokens"]
     assert got == reference(bundled_model.model, prompt, 4, steps=6)[0]
-    assert model_info(core, EngineConfig(num_layers=4)).num_layers == 4
+    assert model_info(core, EngineConfig(num_layers=4)).kv_namespace.layout.num_layers == 4
     folder, _ = ensure_converted(bundled_gguf_path(), progress=False)
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 30
     assert bundled_model.config.num_layers == 30 and len(bundled_model.model.model.layers) == 30

@@ -249,16 +249,25 @@ def test_queue_cap_raises_resource_exhausted():
     assert sched.num_waiting == 2
 
 
-def test_add_rejects_duplicate_ids_and_requests_larger_than_the_cache():
+def test_add_rejects_duplicate_ids_and_check_fits_requests_larger_than_the_cache():
     sched = make_scheduler(num_blocks=4)
     sched.add(make_seq("a", 3, max_tokens=4))
     with pytest.raises(InvalidArgument, match="already in use"):
         sched.add(make_seq("a", 3))
     with pytest.raises(InvalidArgument, match=r"needs 5 KV blocks but the cache holds 4"):
-        sched.add(make_seq("b", 10, max_tokens=10))
-    with pytest.raises(InvalidArgument, match="prompt is empty"):
-        sched.add(make_seq("c", []))
+        sched.check_fits(10, 10)
+    sched.check_fits(6, 10)  # 4 blocks: fits
     assert sched.num_waiting == 1
+
+
+def test_the_engine_edge_refuses_empty_and_oversized_prompts_before_queuing(tmp_path):
+    from engine_utils import greedy, load_tiny, make_core, make_tiny_checkpoint
+
+    core = make_core(load_tiny(make_tiny_checkpoint(tmp_path)), num_blocks=4, block_size=16)
+    with pytest.raises(InvalidArgument, match="prompt is empty"):
+        core.validate([], greedy(4))
+    with pytest.raises(InvalidArgument, match=r"needs 5 KV blocks but the cache holds 4"):
+        core.validate(list(range(40)), greedy(40))
 
 
 def test_abort_frees_blocks_and_is_idempotent():

@@ -1,11 +1,16 @@
 """The draft service failing, slow, down, restarted or out of step: the engine decodes plainly
-(same greedy output), counts the failures, backs off, and speculates again by itself."""
+(same greedy output), counts the failures, backs off, and speculates again by itself.
+
+No test races the wall clock: a late answer is scripted (DEADLINE_EXCEEDED, what the client sees
+when its deadline passes) or held until after the deadline, and the back-off runs on a FakeClock
+the test advances."""
 import time
 
 import grpc
 import pytest
 
 from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_tiny_checkpoint, oracle_drafts, run_all
+from fake_clock import FakeClock
 from kvmesh.draft.v1 import draft_pb2
 from kvmesh.services.engine.core import EngineRequest
 from kvmesh.services.engine.speculation import SpecMode
@@ -31,9 +36,18 @@ def fake(plain):
     service.stop()
 
 
+LATE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def _core(tiny, fake, **kw):
+    """Requests draft at every step (n-gram mode, no SpecGate and no row budget in the way: the
+    failure handling is under test); a deadline no answer misses unless the test says so; the
+    back-off on a FakeClock (`draft_clock`) that only the test moves."""
+    kw.setdefault("speculation", "ngram")
+    kw.setdefault("spec_step_rows", 256)
     kw.setdefault("draft_timeout_s", 5.0)
-    kw.setdefault("draft_retry_s", 0.05)
+    kw.setdefault("draft_retry_s", 1.0)
+    kw.setdefault("draft_clock", FakeClock())
     return make_core(tiny, draft_address=fake.address, **kw)
 
 
@@ -62,7 +76,7 @@ class _Run:
 
 def test_failing_service_means_plain_decoding_counted_and_backed_off(tiny, fake, plain):
     fake.fail = grpc.StatusCode.UNAVAILABLE
-    core = _core(tiny, fake, draft_retry_s=60)
+    core = _core(tiny, fake)
     got = run_all(core, PROMPTS, PARAMS)
     assert {rid: v["tokens"] for rid, v in got.items()} == plain
     assert core.drafts.stats.failures == 1 and len(fake.calls) == 1  # then it backed off
@@ -70,13 +84,28 @@ def test_failing_service_means_plain_decoding_counted_and_backed_off(tiny, fake,
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
-def test_slow_service_misses_its_deadline_and_speculation_resumes(tiny, fake, plain):
-    fake.delay_s = 0.5
-    core = _core(tiny, fake, draft_timeout_s=0.05, draft_retry_s=0.0)
+def test_an_answer_after_the_deadline_is_not_waited_for(tiny, fake, plain):
+    """The real deadline: the service answers only once the test lets it, after the engine's
+    0.05 s have passed, so every call misses it however loaded the machine is."""
+    fake.hold_answers()
+    core = _core(tiny, fake, draft_timeout_s=0.05)
     run = _Run(core)
     run.steps(4)
-    assert core.drafts.stats.failures >= 2 and core.spec_totals.steps == 0
-    fake.delay_s = 0.0
+    # the first late call is forgiven (the next step calls again), the second backs off
+    assert core.drafts.stats.failures == 2 and core.drafts.stats.calls == 2 and not core.drafts.available
+    assert core.spec_totals.steps == 0
+    fake.release_answers()
+    assert run.finish().tokens == plain
+
+
+def test_slow_service_misses_its_deadline_and_speculation_resumes(tiny, fake, plain):
+    clock = FakeClock()
+    fake.fail_next = [LATE] * 2
+    core = _core(tiny, fake, draft_clock=clock)
+    run = _Run(core)
+    run.steps(4)
+    assert core.drafts.stats.failures == 2 and core.spec_totals.steps == 0
+    clock.advance(core.drafts.config.retry_s)
     run.finish()
     assert run.tokens == plain
     assert core.spec_totals.steps > 0
@@ -84,20 +113,22 @@ def test_slow_service_misses_its_deadline_and_speculation_resumes(tiny, fake, pl
 
 
 def test_killed_and_restarted_service_resyncs_and_speculation_resumes(tiny, fake, plain):
-    core = _core(tiny, fake)
+    clock = FakeClock()
+    core = _core(tiny, fake, draft_clock=clock)
     run = _Run(core)
     run.steps(4)
     before = core.spec_totals.steps
     assert before > 0
     fake.stop()
-    run.steps(4)  # down: plain decoding, one failure per retry period at most
-    assert core.spec_totals.steps == before and core.drafts.stats.failures >= 1
+    run.steps(4)  # down: plain decoding, one failure per retry period
+    assert core.spec_totals.steps == before and core.drafts.stats.failures == 1
     fake.start()  # same port, no state: every sequence must be resent whole
     calls_before = len(fake.calls)
-    deadline = time.monotonic() + 20
-    while core.spec_totals.steps == before and core.has_work and time.monotonic() < deadline:
+    # gRPC reconnects on its own back-off timer: wait for the connection, then for the retry period
+    grpc.channel_ready_future(core.drafts._channel).result(timeout=20)
+    clock.advance(core.drafts.config.retry_s)
+    while core.spec_totals.steps == before and core.has_work:
         run.steps(1)
-        time.sleep(0.01)
     assert core.spec_totals.steps > before, "speculation did not resume after the service came back"
     resyncs = [s for c in fake.calls[calls_before:] for s in c.sequences if s.resync]
     assert {s.sequence_id for s in resyncs} == {core.drafts.sequence_id(r) for r in PROMPTS}
@@ -149,26 +180,18 @@ def test_a_drafter_the_service_does_not_offer_is_not_asked_for(tiny, fake, plain
 
 
 def test_one_late_answer_is_forgiven_two_in_a_row_back_off(tiny, fake, plain):
-    oracle, calls = fake.propose, []
-
-    def late_once(rid, history, k):
-        calls.append(rid)
-        if len(calls) == 1:
-            time.sleep(0.3)
-        return oracle(rid, history, k)
-
-    fake.propose = late_once
-    core = _core(tiny, fake, draft_timeout_s=0.1, draft_retry_s=60)
+    fake.fail_next = [LATE]
+    core = _core(tiny, fake)
     run = _Run(core)
     run.steps(3)
     assert core.drafts.stats.failures == 1 and core.drafts.available   # the next step called again
     assert core.spec_totals.steps > 0
-    fake.delay_s = 0.3
+    fake.fail = LATE
     run.steps(4)
     assert core.drafts.stats.failures == 3 and not core.drafts.available
     assert len(fake.calls) == core.drafts.stats.calls                  # no call while backing off
     calls_then = len(fake.calls)
     run.steps(2)
     assert len(fake.calls) == calls_then
-    fake.delay_s = 0.0
+    fake.fail = None
     assert run.finish().tokens == plain

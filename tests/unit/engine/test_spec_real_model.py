@@ -40,7 +40,10 @@ def test_greedy_chat_outputs_identical_with_prompt_lookup_drafts(bundled_model):
     plain = run_all(make_core(bundled_model, **kw), prompts, params)
     fake = FakeDraftService(prompt_lookup)
     try:
-        core = make_core(bundled_model, draft_address=fake.address, draft_timeout_s=10.0, **kw)
+        # every sequence drafts at every step (not the deployment's gated, row-budgeted drafting),
+        # so the outputs are compared with drafts verified throughout
+        core = make_core(bundled_model, draft_address=fake.address, draft_timeout_s=10.0,
+                         speculation="ngram", spec_step_rows=256, **kw)
         spec = run_all(core, prompts, params)
     finally:
         fake.stop()

@@ -113,6 +113,11 @@ def _core(tiny, **kw):
                      enable_prefix_caching=False, **kw)
 
 
+# Not the deployment's speculation: every request drafts (no SpecGate) and every sequence of a
+# batch gets its drafts (no row budget), so the acceptance rule is exercised on every step.
+SPEC = dict(draft_timeout_s=5.0, speculation="ngram", spec_max_draft_tokens=2, spec_step_rows=256)
+
+
 def test_plain_sampling_matches_the_exact_distribution(tiny, exact):
     """Checks the reference (and the test's power) on the sampler speculation must match."""
     outputs, _ = _sample(_core(tiny))
@@ -122,7 +127,7 @@ def test_plain_sampling_matches_the_exact_distribution(tiny, exact):
 def test_speculative_sampling_matches_the_exact_distribution(tiny, exact):
     fake = FakeDraftService(_drafts_sometimes_right(exact[0]))
     try:
-        core = _core(tiny, draft_address=fake.address, draft_timeout_s=5.0, spec_max_draft_tokens=2)
+        core = _core(tiny, draft_address=fake.address, **SPEC)
         outputs, results = _sample(core)
     finally:
         fake.stop()
@@ -139,10 +144,11 @@ def test_a_seed_reproduces_the_output_under_the_same_drafts(tiny, exact):
     try:
         runs = []
         for _ in range(2):
-            core = make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, spec_max_draft_tokens=2)
+            core = make_core(tiny, draft_address=fake.address, **SPEC)
             prompts = {f"s{i}": PROMPT for i in range(20)}
             got = run_all(core, prompts, {f"s{i}": _params(seed=100 + i, max_tokens=12) for i in range(20)})
             runs.append({r: v["tokens"] for r, v in got.items()})
+            assert core.spec_totals.draft_tokens > 0  # drafts were verified, not skipped
     finally:
         fake.stop()
     assert runs[0] == runs[1]

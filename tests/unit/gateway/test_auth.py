@@ -9,12 +9,12 @@ import os
 import pytest
 
 from kvmesh.errors import Unauthenticated
+from kvmesh.kv.namespace import tenant_salt
 from kvmesh.services.gateway import auth
 from kvmesh.services.gateway.auth import (
     KeysFileError,
     KeyStore,
     bearer_token,
-    cache_salt,
     hash_key,
     parse_keys_file,
 )
@@ -49,7 +49,7 @@ def test_keys_map_to_tenants_with_salts_and_limits(keyfile):
     assert (acme.name, acme.cache_salt, acme.max_inflight_requests) == ("acme", "tenant:acme", None)
     assert (beta.name, beta.max_inflight_requests) == ("beta", 3)
     assert store.authenticate(keys["c1"]).cache_salt == store.authenticate(keys["c2"]).cache_salt \
-        == cache_salt("c1", "shared") == "ns:shared"
+        == tenant_salt("c1", "shared") == "ns:shared"
     assert len(store.tenants) == 4
 
 

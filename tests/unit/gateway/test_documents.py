@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway_utils import tiny_tokenizer
 from kvmesh.engine.v1 import engine_pb2
@@ -13,6 +14,7 @@ from kvmesh.services.gateway import grpc_servicer
 from kvmesh.services.gateway.admission import Admission, AdmissionLimits
 from kvmesh.services.gateway.auth import KeyStore, Tenant
 from kvmesh.services.gateway.errors import ApiError
+from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.openai_format import Formatter
 from kvmesh.services.gateway.openai_schema import chat_request, completion_request, parse_body
 from kvmesh.services.gateway.prompts import PromptBuilder, load_tokenizer
@@ -59,7 +61,8 @@ class _Catalog:
 def _gateway(max_model_len: int = 256) -> Gateway:
     admission = Admission(AdmissionLimits(max_requests=8, max_prompt_tokens=1000))
     return Gateway(None, _Catalog(max_model_len),  # type: ignore[arg-type]
-                   PromptBuilder(tiny_tokenizer()), KeyStore(None), admission, GatewayOptions())
+                   PromptBuilder(tiny_tokenizer()), KeyStore(None), admission, GatewayOptions(),
+                   GatewayMetrics(CollectorRegistry()))
 
 
 async def _start(gw: Gateway, **kw):
@@ -242,7 +245,7 @@ def test_http_and_grpc_fields_map_to_the_same_request():
             "recompute_ratio": 0.5}
     http = chat_request(parse_body(json.dumps(body).encode(), "chat"))
     grpc = grpc_servicer.chat_request(pb.ChatCompleteRequest(
-        model="m", messages=[pb.ChatMessage(role="user", content="q")],
+        model="m", messages=[pb.ChatMessage(role=pb.ROLE_USER, content="q")],
         documents=[pb.Document(id="a"), pb.Document(text="t")], retrieve=pb.Retrieve(top_k=2),
         recompute_ratio=0.5))
     for req in (http, grpc):
@@ -251,7 +254,7 @@ def test_http_and_grpc_fields_map_to_the_same_request():
         assert req.uses_documents
         validate_request(req, Limits())
     plain = grpc_servicer.chat_request(pb.ChatCompleteRequest(
-        model="m", messages=[pb.ChatMessage(role="user", content="q")],
+        model="m", messages=[pb.ChatMessage(role=pb.ROLE_USER, content="q")],
         documents=[pb.Document()], retrieve=pb.Retrieve(top_k=1, query="z")))
     assert plain.retrieve == Retrieval(1, "z") and plain.recompute_ratio is None
     with pytest.raises(ApiError) as e:  # a Document with neither id nor text

@@ -42,7 +42,7 @@ def test_missing_tokenizer_source_is_clear(tmp_path):
 
 def test_config_defaults_and_fix_it_errors(tmp_path):
     cfg = load_config(GatewayConfig, "gateway", [], {})
-    assert (cfg.http_host, cfg.http_port, cfg.port, cfg.router_address) == (
+    assert (cfg.http_host, cfg.http_port, cfg.server.port, cfg.router_address) == (
         "127.0.0.1", 8000, 50051, "127.0.0.1:50081")
     assert cfg.keys_file is None and not cfg.open_to_network_without_keys
     with pytest.raises(ConfigError, match="keys add"):

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway_utils import tiny_tokenizer
 from kvmesh.services.gateway.admission import Admission, AdmissionLimits
 from kvmesh.services.gateway.auth import KeyStore, Tenant
 from kvmesh.services.gateway.errors import ApiError
+from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.prompts import PromptBuilder
 from kvmesh.services.gateway.service import Gateway, GatewayOptions
 from kvmesh.services.gateway.spec import ChatTurn, GenerationRequest, Sampling
@@ -26,7 +28,8 @@ class _Catalog:
 def _gateway(max_model_len: int = 64, **limits) -> Gateway:
     admission = Admission(AdmissionLimits(**{"max_requests": 8, "max_prompt_tokens": 1000, **limits}))
     return Gateway(None, _Catalog(max_model_len), PromptBuilder(tiny_tokenizer()),  # type: ignore[arg-type]
-                   KeyStore(None), admission, GatewayOptions(default_temperature=0.7))
+                   KeyStore(None), admission, GatewayOptions(default_temperature=0.7),
+                   GatewayMetrics(CollectorRegistry()))
 
 
 async def _start(gw: Gateway, **kw):

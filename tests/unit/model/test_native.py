@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kvmesh.model.attention as attention
+import kvmesh.model.native as native
 from kvmesh.model.attention import AttentionMetadata, paged_attention
 from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel, paged_decode_kernel
 
@@ -229,3 +230,46 @@ def test_verifying_drafts_computes_each_row_as_a_plain_decode_would(tmp_path):
         single = torch.cat([step(ids[30 + i:31 + i], 30 + i) for i in range(LINEAR_ROWS)])
         verify = step(ids[30:30 + LINEAR_ROWS], 30)  # the same positions, rewritten with the same KV
     assert torch.equal(single, verify)
+
+
+@pytest.fixture
+def failing_build(monkeypatch):
+    """A fresh loader whose build fails as a compiler error does; returns the build calls."""
+    calls = []
+
+    def build():
+        calls.append(1)
+        raise RuntimeError("Error building extension 'kvmesh_native': g++: error: bad kernel")
+
+    monkeypatch.setattr(native, "_build", build)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_tried", False)
+    return calls
+
+
+def test_native_1_makes_a_failed_build_an_error_with_the_compilers_output(failing_build, monkeypatch):
+    monkeypatch.setenv("KVMESH_NATIVE", "1")
+    for _ in range(2):  # every call, not only the first
+        with pytest.raises(RuntimeError, match="KVMESH_NATIVE=1 .* did not build: .*g\\+\\+: error: bad kernel"):
+            paged_decode_kernel()
+    assert len(failing_build) == 2
+
+
+def test_unset_falls_back_to_the_torch_paths_with_a_warning(failing_build, monkeypatch, caplog):
+    monkeypatch.delenv("KVMESH_NATIVE", raising=False)
+    with caplog.at_level("WARNING", logger="kvmesh.model.native"):
+        assert paged_decode_kernel() is None and linear_rows_kernel() is None
+    assert len(failing_build) == 1  # tried once per process
+    assert "bad kernel" in caplog.text and "KVMESH_NATIVE=1" in caplog.text
+
+
+def test_native_0_never_builds(failing_build, monkeypatch):
+    monkeypatch.setenv("KVMESH_NATIVE", "0")
+    assert paged_decode_kernel() is None and failing_build == []
+
+
+def test_other_values_of_native_are_refused(failing_build, monkeypatch):
+    monkeypatch.setenv("KVMESH_NATIVE", "yes")
+    with pytest.raises(ValueError, match="KVMESH_NATIVE='yes': use 1"):
+        paged_decode_kernel()
+    assert failing_build == []

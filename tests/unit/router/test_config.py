@@ -23,7 +23,7 @@ def test_two_tiers_and_a_cascade_from_flags():
     assert topo.cascades == (Cascade("auto", ("cheap", "strong")),)
     assert topo.default_model == "auto"  # the first cascade when none is named
     assert topo.model_names == ("cheap", "strong", "auto")
-    assert (cfg.port, cfg.policy, cfg.probe_timeout_s) == (50081, "kv_aware", 0.2)
+    assert (cfg.server.port, cfg.policy, cfg.probe_timeout_s) == (50081, "kv_aware", 0.2)
 
 
 def test_env_and_openai_replicas():

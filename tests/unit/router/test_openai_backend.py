@@ -14,7 +14,7 @@ from router_utils import FakeOpenAI, dead_address, serving_openai
 
 
 def request(**sampling) -> engine_pb2.GenerateRequest:
-    return engine_pb2.GenerateRequest(request_id="r1", token_ids=engine_pb2.TokenIds(ids=[1, 2]),
+    return engine_pb2.GenerateRequest(request_id="r1", token_ids=common_pb2.TokenIds(ids=[1, 2]),
                                       sampling=engine_pb2.SamplingParams(**sampling))
 
 
@@ -38,9 +38,9 @@ def test_completion_body_sends_only_what_is_set():
 async def test_stream_maps_text_logprobs_and_usage():
     async with serving_openai(FakeOpenAI()) as fake:
         msgs = await run(fake, request(logprobs=2))
-    assert [m.text for m in msgs] == ["Hello", ",", " world", ""]
+    assert [m.delta.text for m in msgs] == ["Hello", ",", " world", ""] and msgs[-1].HasField("final")
     assert all(m.request_id == "r1" for m in msgs)
-    lp = msgs[0].logprobs[0]
+    lp = msgs[0].delta.logprobs[0]
     assert (lp.chosen.text, lp.chosen.logprob, lp.chosen.token_id) == ("Hello", pytest.approx(-0.05), 0)
     assert [(t.text, round(t.logprob, 2)) for t in lp.top] == [("Hello", -0.05), ("alt", -2.05)]
     final = msgs[-1].final
@@ -51,7 +51,7 @@ async def test_stream_maps_text_logprobs_and_usage():
 async def test_without_usage_each_chunk_counts_as_a_token():
     async with serving_openai(FakeOpenAI(send_usage=False, pieces=("a", "b"))) as fake:
         msgs = await run(fake, request())
-    assert not msgs[0].logprobs and msgs[-1].final.usage.completion_tokens == 2
+    assert not msgs[0].delta.logprobs and msgs[-1].final.usage.completion_tokens == 2
 
 
 @pytest.mark.parametrize("status, code", [(429, grpc.StatusCode.RESOURCE_EXHAUSTED),
