@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +85,6 @@ class FakeRouterState:
     calls: list[Recorded] = field(default_factory=list)
     received: threading.Event = field(default_factory=threading.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    cancelled_at: float | None = None
     list_calls: int = 0
 
 
@@ -119,7 +117,6 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             async for item in self._generate(request, context):
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
-            s.cancelled_at = time.monotonic()
             s.cancelled.set()
             raise
 

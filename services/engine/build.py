@@ -10,7 +10,7 @@ import torch
 from kvmesh.config import ConfigError
 from kvmesh.threads import set_torch_threads
 from kvmesh.engine.v1 import engine_pb2
-from kvmesh.kv.codec import CodecSpec
+from kvmesh.kv.codec import CodecSpec, exact_codec
 from kvmesh.kv.namespace import KvLayout, KvNamespace
 from kvmesh.kv.namespace_proto import dtype_to_proto, namespace_to_proto
 from kvmesh.kv.rope import STORED_KEYS
@@ -102,13 +102,13 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
     if not cfg.kvcache_address:
         return None
     layout = kv_layout(loaded)
-    spec = CodecSpec(name=cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
+    spec = CodecSpec(name=exact_codec(loaded.dtype) if cfg.kv_codec == "auto" else cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
                      head=cfg.kv_head_tokens, key_outliers=cfg.kv_key_outliers)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s,
                                          hot_bytes=cfg.kv_hot_bytes),
                        layout=layout, dtype=loaded.dtype, block_size=cfg.block_size, rotary=loaded.model.rotary)
     log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,
-             cfg.kv_codec, "+zstd" if cfg.kv_zstd else "")
+             spec.name, "+zstd" if cfg.kv_zstd else "")
     return conn
 
 

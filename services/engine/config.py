@@ -33,7 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "Reuse full KV blocks of identical prompt prefixes inside the engine.")
     kvcache_address: Optional[str] = setting(None, "host:port of the KV-cache service; unset = in-engine prefix cache only.")
     kv_chunk_tokens: int = setting(256, "Tokens per KV chunk stored in the KV-cache service (a multiple of block_size).", min=16)
-    kv_codec: str = setting("int4", "Codec of exported chunks.", choices=("fp16", "bf16", "int8", "int4", "int2"))
+    kv_codec: str = setting("auto", "Codec of exported chunks: auto (the default) stores the engine's KV dtype as is, so a cache hit gives the same tokens as no cache; fp16, bf16 (lossy from float32), int8, int4 and int2 are lossy and opt-in: their KV is kept in a namespace of its own and never serves a request that did not ask for it.", choices=("auto", "fp32", "fp16", "bf16", "int8", "int4", "int2"))
     kv_zstd: bool = setting(True, "zstd-compress exported chunks.")
     kv_group_size: int = setting(64, "int4/int2: tokens per key group, channels per value group.", min=1, max=65535)
     kv_residual: int = setting(0, "int8/int4/int2: last tokens of each chunk kept in fp16.", min=0)

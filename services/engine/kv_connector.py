@@ -83,6 +83,9 @@ class ExportJob:
     k: torch.Tensor
     v: torch.Tensor
     spec: codec.CodecSpec | None = None  # the request's codec; None = the deployment's
+    positioned: bool = False
+    """Store the keys as the paged cache holds them (at their positions) instead of position-free:
+    exact prefix chunks (codec.ChunkMeta.positioned)."""
     on_done: Optional[Callable[[bool], None]] = None
     """Called on the export thread once the job's chunks are stored (True) or given up (False)."""
     trace_context: Optional[Context] = None
@@ -224,9 +227,9 @@ class KvConnector:
         return streamed
 
     def _decode(self, blob: bytes, ids: list[int], namespace: bytes, what: str
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(position-free k, v) of one blob, or None (logged) when it is damaged, of another
-        namespace or shape, or holds other token ids than `ids`."""
+                ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """(k, v, whether k is at its positions) of one blob, or None (logged) when it is damaged,
+        of another namespace or shape, or holds other token ids than `ids`."""
         try:
             k, v, header = codec.decode(blob, namespace=namespace, dtype=self.dtype,
                                         expect_shape=self._shape(len(ids)))
@@ -236,18 +239,29 @@ class KvConnector:
         if list(header.token_ids) != list(ids):  # a key collision or a bad writer: never use it
             log.warning("KV blob of %s holds other token ids than its key claims; computing it", what)
             return None
-        return k, v
+        return k, v, header.positioned
 
     def _decode_into(self, blob: bytes, ids: list[int], namespace: bytes,
                      dest: tuple[torch.Tensor, torch.Tensor], start: int, position: int) -> bool:
         """Decodes one chunk (sequence position `position`) into dest[:, start:start+len(ids)],
-        keys rotated to their positions; False (and nothing written) when it is unusable."""
+        keys at their positions (rotated there unless stored so); False (and nothing written)
+        when it is unusable."""
         kv = self._decode(blob, ids, namespace, f"the prompt at token {position}")
         if kv is None:
             return False
-        dest[0][:, start:start + len(ids)].copy_(rotate_keys(kv[0], position, self.rotary))
-        dest[1][:, start:start + len(ids)].copy_(kv[1])
+        k, v, positioned = kv
+        dest[0][:, start:start + len(ids)].copy_(k if positioned else rotate_keys(k, position, self.rotary))
+        dest[1][:, start:start + len(ids)].copy_(v)
         return True
+
+    def _decode_free(self, blob: bytes, ids: list[int], namespace: bytes
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A document chunk: position-free (k, v), or None when unusable."""
+        kv = self._decode(blob, ids, namespace, "a document chunk")
+        if kv is not None and kv[2]:  # content keys are only ever stored position-free
+            log.warning("document KV chunk stored at fixed positions; computing it")
+            return None
+        return kv[:2] if kv is not None else None
 
     # ---- documents: content keys (asyncio side) ------------------------------------------------
 
@@ -277,8 +291,7 @@ class KvConnector:
             async for blob in self.client.get([chunks[i][0] for i in wanted]):
                 if blob is not None:
                     i = wanted[n]
-                    decodes[i] = loop.run_in_executor(self._codec_pool, self._decode, blob, chunks[i][1], ns,
-                                                      "a document chunk")
+                    decodes[i] = loop.run_in_executor(self._codec_pool, self._decode_free, blob, chunks[i][1], ns)
                 n += 1
         except Unavailable as err:
             self.stats.fetch_failures += 1
@@ -312,9 +325,12 @@ class KvConnector:
             for i, key in enumerate(job.keys):
                 sl = slice(i * chunk, (i + 1) * chunk)
                 try:
-                    k = unrotate_keys(job.k[:, sl], job.start + i * chunk, self.rotary).to(job.v.dtype)
-                    blob = codec.encode(k, job.v[:, sl], codec.ChunkMeta(ns, tuple(job.token_ids[sl])),
-                                        job.spec or self.config.codec, sequence_start=job.start + i * chunk == 0)
+                    k = job.k[:, sl]
+                    if not job.positioned:
+                        k = unrotate_keys(k, job.start + i * chunk, self.rotary).to(job.v.dtype)
+                    meta = codec.ChunkMeta(ns, tuple(job.token_ids[sl]), positioned=job.positioned)
+                    blob = codec.encode(k, job.v[:, sl], meta, job.spec or self.config.codec,
+                                        sequence_start=job.start + i * chunk == 0)
                     writer.put(key, blob, job.namespace)
                     self.stats.exported_chunks += 1
                 except Unavailable as err:

@@ -72,8 +72,11 @@ class KvTransfer:
             first = plan.present.index(False)
             start, end = first * chunk, len(plan.keys) * chunk
             k, v = self.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
+            # Exact prefix chunks keep their keys as computed: a prefix chunk never moves, and
+            # un-rotating then rotating again would not give the same bits back.
             self.connector.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end],
-                                                   start, k, v, plan.spec, trace_context=req.trace_context))
+                                                   start, k, v, plan.spec, positioned=plan.namespace.is_exact,
+                                                   trace_context=req.trace_context))
 
     def _export_documents(self, seq: Sequence, exports: DocumentExports, trace_context: Optional[Context]) -> None:
         """One job per document chunk the service lacked (keys un-rotated from their prompt

@@ -46,6 +46,7 @@ _CODECS = {
     engine_pb2.KV_CODEC_INT8: "int8",
     engine_pb2.KV_CODEC_INT4: "int4",
     engine_pb2.KV_CODEC_INT2: "int2",
+    engine_pb2.KV_CODEC_FP32: "fp32",
 }
 
 _WEIGHT_FORMATS = {

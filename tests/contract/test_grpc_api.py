@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -122,9 +121,8 @@ async def test_cancelling_the_call_cancels_upstream(stub, gateway):
         if any(d.text for d in chunk.choices):
             break
     call.cancel()
-    cancelled_at = time.monotonic()
+    # the fake hangs until cancelled: its cancellation can only come from this call's
     assert await asyncio.to_thread(gateway.state.cancelled.wait, 5)
-    assert gateway.state.cancelled_at - cancelled_at < 1.0
     await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
         gateway.gateway.admission.wait_idle(), gateway.loop)), 2)
 

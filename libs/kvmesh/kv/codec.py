@@ -10,8 +10,10 @@ NOTE (blob format, version 2, little-endian; version 1 is read too)::
     offset  size   field
     0       4      magic b"KVMB"
     4       1      format version (2; 1 = the same without the two u16 fields at 48)
-    5       1      codec id: index into CODECS (0 fp16, 1 bf16, 2 int8, 3 int4, 4 int2)
-    6       1      flags: bit 0 = payload is one zstd frame; other bits 0
+    5       1      codec id: index into CODECS (0 fp16, 1 bf16, 2 int8, 3 int4, 4 int2, 5 fp32)
+    6       1      flags: bit 0 = payload is one zstd frame; bit 1 = keys are at their sequence
+                   positions (RoPE applied, as the engine holds them) instead of position-free;
+                   other bits 0
     7       1      source dtype: 0 float32, 1 bfloat16, 2 float16
     8       16     shape L, T, H, D (4 x u32): layers, tokens, kv heads, head dim
     24      4      group_size u32: tokens per key group / channels per value group (int4, int2);
@@ -25,10 +27,11 @@ NOTE (blob format, version 2, little-endian; version 1 is read too)::
     56+4T   P      payload (zstd-compressed when flag bit 0 is set)
     56+4T+P 16     blake2b (digest_size=16) of every byte before it
 
-Raw payload sections, in order (fp16 arrays byte-shuffled: all low bytes, then all high bytes,
-which lets zstd see the slowly varying sign/exponent bytes together):
+Raw payload sections, in order (float arrays byte-shuffled into byte planes: every value's byte
+0, then every byte 1, ..., which lets zstd see the slowly varying sign/exponent bytes together):
 
-- fp16 / bf16: k, v as ``[L, T, H, D]``.
+- fp16 / bf16 / fp32: k, v as ``[L, T, H, D]``. The codec of the engine's own dtype stores it
+  exactly (``CodecSpec.storage`` is then kvmesh.kv.namespace.EXACT): the deployment default.
 - int8 / int4 / int2, with ``Q = T - head - residual`` quantized tokens (those between the head
   and the residual) and ``C = H * D`` channels:
   keys: the outlier mask (``L*H*D`` bits, one per channel, packed; empty when m is 0), fp16
@@ -86,18 +89,20 @@ import zstandard
 from kvmesh.kv import kivi
 from kvmesh.kv.namespace import EXACT
 
-CODECS = ("fp16", "bf16", "int8", "int4", "int2")
+CODECS = ("fp16", "bf16", "int8", "int4", "int2", "fp32")
 
 _MAGIC = b"KVMB"
 _VERSION = 2  # written; version 1 blobs (no head tokens, no key outlier channels) are still read
 _FLAG_ZSTD = 1
+_FLAG_POSITIONED = 2
 _FIXED = {1: struct.Struct("<4sBBBB4III16s"),  # magic .. namespace, 48 bytes
           2: struct.Struct("<4sBBBB4III16sHH")}  # + head tokens, key outlier channels: 52 bytes
 _HEADER_PREFIX = struct.Struct("<4sB")
 _U32 = struct.Struct("<I")
 _DIGEST = 16
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
-_RAW16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_RAW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+"""Codecs that store every value as is in a float type (lossless when it is the source dtype)."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEFAULT_HEAD = {"int2": 1}
 _DEFAULT_KEY_OUTLIERS = {"int4": 0, "int2": 16}
@@ -160,8 +165,8 @@ class CodecSpec:
         """The KvNamespace storage name of KV stored this way from an engine of `dtype`:
         kvmesh.kv.namespace.EXACT when decoding gives back exactly what was encoded, else a name
         that fixes every parameter changing the decoded values (zstd never does)."""
-        if self.name in _RAW16:
-            return EXACT if _RAW16[self.name] == dtype else self.name
+        if self.name in _RAW:
+            return EXACT if _RAW[self.name] == dtype else self.name
         return (f"{self.name}-g{self.group_size}-r{self.residual}-h{self.head_tokens()}"
                 f"-o{self.outlier_channels()}")
 
@@ -172,6 +177,14 @@ class CodecSpec:
         return _DEFAULT_KEY_OUTLIERS[self.name] if self.key_outliers is None else self.key_outliers
 
 
+def exact_codec(dtype: torch.dtype) -> str:
+    """The codec that stores KV of `dtype` exactly."""
+    for name, raw in _RAW.items():
+        if raw == dtype:
+            return name
+    raise ValueError(f"no exact KV codec for {dtype}; use one of {', '.join(map(str, _RAW.values()))}")
+
+
 @dataclass(frozen=True)
 class ChunkMeta:
     """What is stored beside the KV: the reader's namespace and the chunk's tokens (to verify a hit)."""
@@ -180,6 +193,10 @@ class ChunkMeta:
     """16-byte digest of model identity + KV layout + tenant salt (opaque to the codec)."""
     token_ids: tuple[int, ...]
     """The chunk's tokens, one per KV position (u32)."""
+    positioned: bool = False
+    """The keys are at their sequence positions (RoPE applied, as the engine's cache holds them),
+    not position-free (kvmesh.kv.rope): what an exact prefix chunk stores, since un-rotating and
+    rotating again is not exact in floating point, and a prefix chunk never moves."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, bytes) or len(self.namespace) != 16:
@@ -205,6 +222,7 @@ class BlobHeader:
     namespace: bytes
     token_ids: tuple[int, ...]
     payload_bytes: int  # as stored (after zstd when zstd is set)
+    positioned: bool = False  # ChunkMeta.positioned
 
 
 def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec, *,
@@ -220,9 +238,9 @@ def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec, *
     L, T, H, D = k.shape
     if len(meta.token_ids) != T:
         raise ValueError(f"meta.token_ids has {len(meta.token_ids)} ids for a chunk of {T} tokens")
-    if spec.name in _RAW16:
+    if spec.name in _RAW:
         group, residual, head, outliers = 0, 0, 0, 0
-        parts = [_shuffle16(k.to(_RAW16[spec.name])), _shuffle16(v.to(_RAW16[spec.name]))]
+        parts = [_shuffle(k.to(_RAW[spec.name])), _shuffle(v.to(_RAW[spec.name]))]
     else:
         bits = _BITS[spec.name]
         group = D if bits == 8 else spec.group_size
@@ -234,12 +252,13 @@ def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec, *
         parts = [*(_quantize_keys(kq, bits, group, outliers) if bits < 8 else
                    [_EMPTY, *_quantize_part(kq, bits, group, per_channel=False), _EMPTY, _EMPTY, _EMPTY]),
                  *_quantize_part(vq, bits, group, per_channel=False),
-                 _shuffle16(k[:, :head].half()), _shuffle16(v[:, :head].half()),
-                 _shuffle16(k[:, end:].half()), _shuffle16(v[:, end:].half())]
+                 _shuffle(k[:, :head].half()), _shuffle(v[:, :head].half()),
+                 _shuffle(k[:, end:].half()), _shuffle(v[:, end:].half())]
     raw = torch.cat([p.cpu() for p in parts]).numpy().tobytes()
     payload = zstandard.ZstdCompressor(level=spec.zstd_level).compress(raw) if spec.zstd else raw
     body = b"".join([
-        _FIXED[_VERSION].pack(_MAGIC, _VERSION, CODECS.index(spec.name), _FLAG_ZSTD if spec.zstd else 0,
+        _FIXED[_VERSION].pack(_MAGIC, _VERSION, CODECS.index(spec.name),
+                              (_FLAG_ZSTD if spec.zstd else 0) | (_FLAG_POSITIONED if meta.positioned else 0),
                               _DTYPES.index(k.dtype), L, T, H, D, group, residual, meta.namespace,
                               head, outliers),
         struct.pack(f"<{T}I", *meta.token_ids),
@@ -289,9 +308,9 @@ def decode(blob: bytes, *, namespace: bytes, dtype: torch.dtype = torch.float32,
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     sections = iter(torch.split(buf, _section_sizes(header)))
     L, T, H, D = header.shape
-    if header.codec in _RAW16:
-        k = _unshuffle16(next(sections), _RAW16[header.codec]).view(L, T, H, D)
-        v = _unshuffle16(next(sections), _RAW16[header.codec]).view(L, T, H, D)
+    if header.codec in _RAW:
+        k = _unshuffle(next(sections), _RAW[header.codec]).view(L, T, H, D)
+        v = _unshuffle(next(sections), _RAW[header.codec]).view(L, T, H, D)
     else:
         bits = _BITS[header.codec]
         head, residual = header.head, header.residual
@@ -304,7 +323,7 @@ def decode(blob: bytes, *, namespace: bytes, dtype: torch.dtype = torch.float32,
             for _ in range(3):  # the (empty) outlier channels
                 next(sections)
         vq = _dequantize_part(sections, (L, Q, H, D), bits, header.group_size, per_channel=False)
-        fp16 = [_unshuffle16(next(sections), torch.float16).view(L, n, H, D).float()
+        fp16 = [_unshuffle(next(sections), torch.float16).view(L, n, H, D).float()
                 for n in (head, head, residual, residual)]
         if head or residual:
             k, v = torch.cat([fp16[0], kq, fp16[2]], dim=1), torch.cat([fp16[1], vq, fp16[3]], dim=1)
@@ -321,7 +340,7 @@ def _quantize_part(x: torch.Tensor, bits: int, group: int, per_channel: bool) ->
         codes, scale, zero = kivi.quantize(x.permute(0, 2, 3, 1).reshape(L, H * D, Q), bits, group)  # [L, C, Q]
     else:
         codes, scale, zero = kivi.quantize(x.reshape(L, Q, H * D), bits, group)  # [L, Q, C]
-    return [_shuffle16(scale), _shuffle16(zero), kivi.pack(codes, bits)]
+    return [_shuffle(scale), _shuffle(zero), kivi.pack(codes, bits)]
 
 
 def _quantize_keys(x: torch.Tensor, bits: int, group: int, outliers: int) -> list[torch.Tensor]:
@@ -340,7 +359,7 @@ def _quantize_keys(x: torch.Tensor, bits: int, group: int, outliers: int) -> lis
     parts = [kivi.pack(mask, 1)]
     for lo, hi, b in ((0, D - outliers, bits), (D - outliers, D, min(8, 2 * bits))):
         codes, scale, zero = kivi.quantize(xs[:, :, lo:hi].reshape(L, H * (hi - lo), Q), b, group)
-        parts += [_shuffle16(scale), _shuffle16(zero), kivi.pack(codes, b)]
+        parts += [_shuffle(scale), _shuffle(zero), kivi.pack(codes, b)]
     return parts
 
 
@@ -359,8 +378,8 @@ def _dequantize_keys(sections, shape: tuple[int, int, int, int], bits: int, grou
         raise CorruptBlob(f"key outlier mask does not mark {outliers} channels in every head")
     xs = []
     for n, b in ((D - outliers, bits), (outliers, min(8, 2 * bits))):
-        scale = _unshuffle16(next(sections), torch.float16)
-        zero = _unshuffle16(next(sections), torch.float16)
+        scale = _unshuffle(next(sections), torch.float16)
+        zero = _unshuffle(next(sections), torch.float16)
         codes = kivi.unpack(next(sections), b, L * H * n * Q)
         gshape = (L, H * n, -(-Q // group))
         xs.append(kivi.dequantize(codes.view(L, H * n, Q), scale.view(gshape), zero.view(gshape), group)
@@ -379,8 +398,8 @@ def _dequantize_part(sections, shape: tuple[int, int, int, int], bits: int, grou
                      per_channel: bool) -> torch.Tensor:
     """Inverse of ``_quantize_part``: consume three sections, return float32 ``[L, Q, H, D]``."""
     L, Q, H, D = shape
-    scale = _unshuffle16(next(sections), torch.float16)
-    zero = _unshuffle16(next(sections), torch.float16)
+    scale = _unshuffle(next(sections), torch.float16)
+    zero = _unshuffle(next(sections), torch.float16)
     codes = kivi.unpack(next(sections), bits, L * Q * H * D)
     if per_channel:
         gshape = (L, H * D, -(-Q // group))
@@ -394,8 +413,8 @@ def _dequantize_part(sections, shape: tuple[int, int, int, int], bits: int, grou
 def _section_sizes(h: BlobHeader) -> list[int]:
     """Byte size of each raw payload section, in order (the format NOTE's list)."""
     L, T, H, D = h.shape
-    if h.codec in _RAW16:
-        return [2 * L * T * H * D] * 2
+    if h.codec in _RAW:
+        return [_RAW[h.codec].itemsize * L * T * H * D] * 2
     bits = _BITS[h.codec]
     Q, C, g, m = T - h.head - h.residual, H * D, h.group_size, h.key_outliers
     codes = -(-L * Q * C * bits // 8)
@@ -443,10 +462,10 @@ def _parse(mv: memoryview) -> tuple[BlobHeader, int]:
         raise CorruptBlob(f"blob of {len(mv)} bytes is shorter than a header")
     magic, version, codec, flags, dtype, L, T, H, D, group, residual, namespace, *extra = fixed.unpack_from(mv)
     head, outliers = extra if extra else (0, 0)
-    if codec >= len(CODECS) or flags & ~_FLAG_ZSTD or dtype >= len(_DTYPES):
+    if codec >= len(CODECS) or flags & ~(_FLAG_ZSTD | _FLAG_POSITIONED) or dtype >= len(_DTYPES):
         raise CorruptBlob(f"unknown codec {codec}, flags {flags:#x} or dtype {dtype}")
     name = CODECS[codec]
-    if name in _RAW16:
+    if name in _RAW:
         params_ok = group == 0 and residual == 0 and head == 0 and outliers == 0
     else:
         params_ok = (group >= 1 and head + residual <= T and (name != "int8" or (group == D and outliers == 0))
@@ -463,17 +482,20 @@ def _parse(mv: memoryview) -> tuple[BlobHeader, int]:
         raise CorruptBlob(f"blob is {len(mv)} bytes, its header says {start + payload_bytes + _DIGEST}")
     token_ids = struct.unpack_from(f"<{T}I", mv, fixed.size)
     header = BlobHeader(version, name, bool(flags & _FLAG_ZSTD), _DTYPES[dtype], (L, T, H, D),
-                        group, residual, head, outliers, bytes(namespace), token_ids, payload_bytes)
+                        group, residual, head, outliers, bytes(namespace), token_ids, payload_bytes,
+                        bool(flags & _FLAG_POSITIONED))
     return header, start
 
 
-def _shuffle16(t: torch.Tensor) -> torch.Tensor:
-    """A 16-bit tensor as flat bytes, all low bytes first then all high bytes."""
-    x = t.reshape(-1).view(torch.int16)  # [N]
-    return torch.cat([x.to(torch.uint8), (x >> 8).to(torch.uint8)])  # int -> uint8 keeps the low byte
+def _shuffle(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor as flat bytes in byte planes: every value's byte 0, then every byte 1 ...
+    (sign and exponent bytes, which repeat, end up together for zstd). Exactly invertible."""
+    n = t.element_size()
+    return t.reshape(-1).view(torch.uint8).view(-1, n).t().reshape(-1)  # [n * N]
 
 
-def _unshuffle16(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``_shuffle16``: flat bytes -> flat ``dtype`` tensor (on a little-endian host)."""
-    n = b.numel() // 2
-    return torch.stack([b[:n], b[n:]], dim=-1).view(dtype).view(-1)
+def _unshuffle(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``_shuffle``: flat bytes -> flat ``dtype`` tensor (on a little-endian host)."""
+    n = dtype.itemsize
+    out = torch.empty((b.numel() // n, n), dtype=torch.uint8, device=b.device)  # fresh: aligned for the view
+    return out.copy_(b.view(n, -1).t()).view(dtype).view(-1)

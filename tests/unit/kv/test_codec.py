@@ -17,8 +17,10 @@ from kvmesh.kv.codec import (
     NamespaceMismatch,
     decode,
     encode,
+    exact_codec,
     read_header,
 )
+from kvmesh.kv.namespace import EXACT
 
 NS = bytes(range(16))
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -55,13 +57,47 @@ def group_bound(x, group, bits):
     return bound
 
 
-@pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("name,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)])
 @pytest.mark.parametrize("zstd", [False, True])
 def test_raw_codecs_round_trip_to_their_precision(name, dtype, zstd):
     k, v = make_kv()
     k2, v2, header = roundtrip(k, v, CodecSpec(name, zstd=zstd))
     assert torch.equal(k2, k.to(dtype).float()) and torch.equal(v2, v.to(dtype).float())
     assert (header.codec, header.zstd, header.group_size, header.residual) == (name, zstd, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_exact_codec_of_a_dtype_gives_back_every_bit(dtype):
+    """The deployment default: KV of the engine's dtype, bit for bit (NaN payloads, signed zeros
+    and subnormals included), through the byte-plane shuffle and zstd."""
+    k, v = make_kv(dtype=dtype)
+    k.view(-1)[:4] = torch.tensor([float("nan"), -0.0, 1e-40, float("inf")], dtype=dtype)
+    spec = CodecSpec(exact_codec(dtype), zstd=True)
+    assert spec.storage(dtype) == EXACT
+    k2, v2, _ = decode(encode(k, v, meta(k.shape[1]), spec), namespace=NS, dtype=dtype)
+    assert torch.equal(k2.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       k.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(v2, v)
+
+
+def test_storage_names_exact_formats_and_every_lossy_parameter():
+    assert CodecSpec("fp32").storage(torch.float32) == EXACT
+    assert CodecSpec("bf16").storage(torch.bfloat16) == EXACT
+    assert CodecSpec("fp16").storage(torch.float32) == "fp16"  # a downcast is lossy
+    assert CodecSpec("int4", zstd=True).storage(torch.float32) == CodecSpec("int4", zstd=False).storage(torch.float32)
+    names = {CodecSpec("int4").storage(torch.float32), CodecSpec("int4", group_size=32).storage(torch.float32),
+             CodecSpec("int4", residual=8).storage(torch.float32), CodecSpec("int2").storage(torch.float32),
+             CodecSpec("int4", key_outliers=4).storage(torch.float32), CodecSpec("int8").storage(torch.float32)}
+    assert len(names) == 6 and EXACT not in names
+    with pytest.raises(ValueError, match="no exact KV codec"):
+        exact_codec(torch.int8)
+
+
+def test_positioned_keys_are_flagged_in_the_header():
+    k, v = make_kv()
+    blob = encode(k, v, ChunkMeta(NS, tuple(range(k.shape[1])), positioned=True), CodecSpec("fp32"))
+    assert read_header(blob).positioned
+    assert not read_header(encode(k, v, meta(k.shape[1]), CodecSpec("fp32"))).positioned
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2"])
@@ -338,7 +374,7 @@ def test_real_kv_compression_and_error(bundled_model):
         return 2 * 2 * k.numel() / blob_bytes, errs
 
     # measured worst k/v chunk: 0.0002, 0.0017, 0.008, 0.097, 0.48
-    max_rel_err = {"fp16": 1e-3, "bf16": 5e-3, "int8": 0.015, "int4": 0.15, "int2": 0.6}
+    max_rel_err = {"fp32": 1e-12, "fp16": 1e-3, "bf16": 5e-3, "int8": 0.015, "int4": 0.15, "int2": 0.6}
     for name in CODECS:
         ratio, errs = run(CodecSpec(name))
         assert max(errs) < max_rel_err[name], (name, errs)
