@@ -56,6 +56,8 @@ class _State:
     matcher: StopStringMatcher
     generator: Optional[torch.Generator]
     timeline: Timeline
+    storage: str
+    """The request's KvNamespace.storage: how any KV it reuses was made."""
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # collected chunk by chunk
 
 
@@ -131,7 +133,8 @@ class EngineCore:
         timeline = Timeline(req.arrival_time)
         self._states[req.request_id] = _State(
             seq=seq, detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-            matcher=StopStringMatcher(req.params.stop), generator=make_generator(req.params), timeline=timeline)
+            matcher=StopStringMatcher(req.params.stop), generator=make_generator(req.params), timeline=timeline,
+            storage=namespace.storage)
         if self.kv_transfer is not None:
             self.kv_transfer.add(seq, req.kv_plan, req.doc_exports, req.trace_context)
         if self.speculator is not None:
@@ -270,7 +273,8 @@ class EngineCore:
         now = time.monotonic()
         out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
         out.usage = Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
-                          cached_prompt_tokens=seq.num_cached_tokens)
+                          cached_prompt_tokens=seq.num_cached_tokens, imported_prompt_tokens=seq.num_imported_tokens)
+        out.reuse_storage = state.storage
         out.ttft_s = (state.timeline.first_token or now) - seq.arrival_time
         out.e2e_s = now - seq.arrival_time
         out.documents = self.blender.usage(rid)

@@ -8,7 +8,7 @@ from typing import Optional
 
 from opentelemetry.context import Context
 
-from kvmesh.kv.namespace import KvNamespace
+from kvmesh.kv.namespace import EXACT, KvNamespace
 from kvmesh.services.engine.documents import BlendPlan, DocumentExports
 from kvmesh.services.engine.kv_connector import KvPlan
 from kvmesh.services.engine.sampler import TokenLogprobs
@@ -59,6 +59,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    """Prompt tokens reused instead of computed: the engine's prefix cache and imported KV."""
+    imported_prompt_tokens: int = 0
+    """Of those, the tokens whose KV came from the KV-cache service (or a blend)."""
 
 
 SPEC_EVENTS = 256
@@ -95,6 +98,9 @@ class RequestOutput:
     usage: Optional[Usage] = None
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    reuse_storage: str = EXACT
+    """Final output only: how the reused KV was stored (KvNamespace.storage of the request):
+    "exact", a lossy codec's name, or the blend that made it."""
     spec: Optional[SpecUsage] = None
     """Final output only: the request's speculative decoding counters."""
     documents: Optional[DocumentUsage] = None

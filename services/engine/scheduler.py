@@ -260,6 +260,7 @@ class Scheduler:
             seq.external_kv = None  # imported now, or fully covered by the prefix cache
             seq.num_computed_tokens = num_hit + num_import
             seq.num_cached_tokens = min(num_hit + num_import, seq.num_prompt_tokens)
+            seq.num_imported_tokens = num_import
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

@@ -61,7 +61,9 @@ class Sequence:
     num_computed_tokens: int = 0
     """Tokens whose KV is in the paged cache (prefix-cache hits included)."""
     num_cached_tokens: int = 0
-    """Prompt tokens reused from the prefix cache at the last admission."""
+    """Prompt tokens reused at the last admission: prefix-cache hits plus imported KV."""
+    num_imported_tokens: int = 0
+    """Of those, the tokens whose KV was imported (fetched from the KV-cache service, or blended)."""
     block_table: list[int] = field(default_factory=list)
     """Physical KV block of each logical block: token p lives in block_table[p // block_size]."""
     finish_reason: str | None = None

@@ -215,7 +215,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             finish_reason=_FINISH[out.finish_reason],
             usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                    cached_prompt_tokens=u.cached_prompt_tokens),
-            stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s)
+            stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s,
+            reuse=engine_pb2.KvReuse(storage=out.reuse_storage, kv_service_tokens=u.imported_prompt_tokens))
         if out.documents is not None:
             final.blended_tokens = out.documents.blended_tokens
             final.recomputed_tokens = out.documents.recomputed_tokens

@@ -21,7 +21,9 @@ def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
     attrs = {"gen_ai.usage.input_tokens": usage.prompt_tokens if usage else prompt_tokens,
              "gen_ai.usage.output_tokens": usage.completion_tokens if usage else 0,
              "gen_ai.response.finish_reasons": [str(out.finish_reason or "")],
-             "kvmesh.engine.cached_tokens": usage.cached_prompt_tokens if usage else 0}
+             "kvmesh.engine.cached_tokens": usage.cached_prompt_tokens if usage else 0,
+             "kvmesh.kv.storage": out.reuse_storage,
+             "kvmesh.kv.service_tokens": usage.imported_prompt_tokens if usage else 0}
     if out.spec is not None and out.spec.steps:
         attrs.update({"kvmesh.spec.steps": out.spec.steps, "kvmesh.spec.draft_tokens": out.spec.draft_tokens,
                       "kvmesh.spec.accepted_tokens": out.spec.accepted_tokens})

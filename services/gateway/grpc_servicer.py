@@ -90,6 +90,11 @@ def final_chunk(head: dict[str, Any], u: Usage) -> pb.CompletionChunk:
     chunk = pb.CompletionChunk(**head, usage=pb.Usage(
         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
         total_tokens=u.total_tokens, cached_tokens=u.cached_tokens))
+    reuse = u.reuse()
+    if reuse is not None:
+        chunk.reuse.CopyFrom(pb.KvReuse(storage=reuse.storage, exact=reuse.exact,
+                                        prefix_cache_tokens=reuse.prefix_cache_tokens,
+                                        kv_service_tokens=reuse.kv_service_tokens))
     if u.documents is not None:
         chunk.documents.CopyFrom(pb.DocumentUsage(
             document_ids=list(u.documents.document_ids),

@@ -6,9 +6,12 @@ builds that response. Completions use the legacy `logprobs` object (tokens, toke
 top_logprobs, text_offset — offsets count characters from the start of the choice's text, echoed
 prompt included); chat uses `logprobs.content` entries with bytes and top_logprobs.
 
-Requests with documents get a kvmesh extension object next to `usage` (in the response, and in
-the streamed usage chunk): ``"kvmesh": {"document_ids": [...], "blended_tokens": N,
-"recomputed_tokens": M}``.
+Requests that reused cached KV, or had documents, get a kvmesh extension object next to `usage`
+(in the response, and in the streamed usage chunk) saying what was reused and how:
+``"kvmesh": {"reuse": {"storage": "exact", "exact": true, "prefix_cache_tokens": P,
+"kv_service_tokens": S}}``, with ``"document_ids": [...], "blended_tokens": N,
+"recomputed_tokens": M`` for documents. A storage other than "exact" names the lossy path (a KV
+codec, or the blend with its recompute ratio) that the request or its tenant opted into.
 """
 from __future__ import annotations
 
@@ -32,13 +35,26 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _with_usage(body: dict[str, Any], usage: Usage) -> dict[str, Any]:
-    body["usage"] = usage_body(usage)
+def kvmesh_body(usage: Usage) -> dict[str, Any] | None:
+    """The kvmesh extension object of a response (see the module docstring), or None."""
+    body: dict[str, Any] = {}
+    reuse = usage.reuse()
+    if reuse is not None:
+        body["reuse"] = {"storage": reuse.storage, "exact": reuse.exact,
+                         "prefix_cache_tokens": reuse.prefix_cache_tokens,
+                         "kv_service_tokens": reuse.kv_service_tokens}
     if usage.documents is not None:
         d = usage.documents
-        body["kvmesh"] = {"document_ids": list(d.document_ids),
-                          "blended_tokens": d.blended_tokens,
-                          "recomputed_tokens": d.recomputed_tokens}
+        body.update({"document_ids": list(d.document_ids), "blended_tokens": d.blended_tokens,
+                     "recomputed_tokens": d.recomputed_tokens})
+    return body or None
+
+
+def _with_usage(body: dict[str, Any], usage: Usage) -> dict[str, Any]:
+    body["usage"] = usage_body(usage)
+    extension = kvmesh_body(usage)
+    if extension is not None:
+        body["kvmesh"] = extension
     return body
 
 

@@ -118,7 +118,7 @@ class Generation:
                 async for item in items:
                     if isinstance(item, ChoiceFinal):
                         self.usage.add_choice(item.prompt_index, item.completion_tokens,
-                                              item.cached_tokens)
+                                              item.cached_tokens, item.reuse)
                         if self.usage.documents is not None:
                             self.usage.add_documents(item.prompt_tokens, item.documents)
                         continue

@@ -257,6 +257,30 @@ class DocumentUsage:
     recomputed_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class KvReuse:
+    """How one choice's cache hits were made, as the engine reported it (kvmesh.engine.v1.KvReuse)."""
+
+    storage: str = "exact"
+    """"exact", or the lossy path that made the reused KV (a codec, a blend)."""
+    kv_service_tokens: int = 0
+    """Reused prompt tokens that came from the KV-cache service (the rest: the engine's prefix cache)."""
+
+
+@dataclass(frozen=True)
+class ReuseReport:
+    """A whole request's cache hits, as its response reports them (kvmesh.gateway.v1.KvReuse)."""
+
+    storage: str
+    """"exact" when every reused token was exact, else the lossy path(s) that made them."""
+    prefix_cache_tokens: int
+    kv_service_tokens: int
+
+    @property
+    def exact(self) -> bool:
+        return self.storage == "exact"
+
+
 @dataclass
 class Usage:
     """Token accounting of a whole request: each prompt counted once, whatever n is; its cached
@@ -267,11 +291,16 @@ class Usage:
     documents: DocumentUsage | None = None
     """Requests with documents: the report of the copy that reused the most (None otherwise)."""
     _cached: dict[int, int] = field(default_factory=dict, repr=False)
+    _reuse: dict[int, KvReuse] = field(default_factory=dict, repr=False)
     _documents_reported: bool = field(default=False, repr=False)
 
-    def add_choice(self, prompt_index: int, completion_tokens: int, cached_tokens: int) -> None:
-        """Account one finished choice of prompt `prompt_index`."""
+    def add_choice(self, prompt_index: int, completion_tokens: int, cached_tokens: int,
+                   reuse: KvReuse = KvReuse()) -> None:
+        """Account one finished choice of prompt `prompt_index` (the copy that reused the most
+        speaks for the prompt's reuse)."""
         self.completion_tokens += completion_tokens
+        if prompt_index not in self._cached or cached_tokens > self._cached[prompt_index]:
+            self._reuse[prompt_index] = reuse
         self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), cached_tokens)
 
     def add_documents(self, prompt_tokens: int, report: DocumentUsage) -> None:
@@ -289,6 +318,14 @@ class Usage:
     @property
     def cached_tokens(self) -> int:
         return sum(self._cached.values())
+
+    def reuse(self) -> ReuseReport | None:
+        """What the request's cache hits were, None when it reused nothing."""
+        if not self.cached_tokens:
+            return None
+        lossy = sorted({r.storage for i, r in self._reuse.items() if self._cached.get(i) and r.storage != "exact"})
+        service = sum(r.kv_service_tokens for r in self._reuse.values())
+        return ReuseReport(",".join(lossy) or "exact", self.cached_tokens - service, service)
 
     @property
     def total_tokens(self) -> int:

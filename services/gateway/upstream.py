@@ -28,6 +28,7 @@ from kvmesh.services.gateway.spec import (
     ChoiceDelta,
     DocumentUsage,
     EchoedPrompt,
+    KvReuse,
     TokenLogprob,
     TopLogprob,
 )
@@ -139,6 +140,8 @@ class ChoiceFinal:
     cached_tokens: int
     documents: DocumentUsage = DocumentUsage()
     """What the engine reported about the prompt's documents (empty for plain prompts)."""
+    reuse: KvReuse = KvReuse()
+    """How the engine made the prompt's cache hits."""
 
 
 async def run_choice(router: RouterClient, job: ChoiceJob
@@ -177,7 +180,8 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                 final = ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
                                     u.cached_prompt_tokens,
                                     DocumentUsage(tuple(f.document_ids), f.blended_tokens,
-                                                  f.recomputed_tokens))
+                                                  f.recomputed_tokens),
+                                    KvReuse(f.reuse.storage or "exact", f.reuse.kv_service_tokens))
             if first or delta.text or delta.token_ids or finish:
                 yield ChoiceDelta(job.index, delta.text, tuple(delta.token_ids),
                                   _logprobs(delta.logprobs), finish, echo, first)

@@ -80,21 +80,25 @@ def build_prompts(tokenizer) -> list[list[int]]:
 
 def engine(loaded, address: str | None, **overrides) -> AsyncEngine:
     """A fresh engine with the deployment's settings (its KV codec and chunk size; no draft
-    service), linked to the KV service at `address`, on a pool that holds every prompt."""
-    cfg = EngineConfig(kvcache_address=address, num_blocks=2600, **overrides)
+    service), linked to the KV service at `address`, on a pool that holds every prompt. The KV
+    service runs in this test's process, sharing two cores with the engine while 50 requests
+    fetch ~12 MB fp32 chunks at once: a generous KV deadline keeps a slow fetch from turning
+    into a recompute, which would leave the path under test unexercised."""
+    cfg = EngineConfig(kvcache_address=address, num_blocks=2600, kv_timeout_s=300.0, **overrides)
     core = build_core(cfg, loaded)
     return AsyncEngine(lambda: core)
 
 
 async def serve_all(eng: AsyncEngine, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """Every prompt at once (continuous batching); (tokens per prompt, prompt tokens reused)."""
+    """Every prompt at once (continuous batching); (tokens per prompt, prompt tokens reused).
+    Every final output reports the reuse as exact."""
     async def one(ids):
-        tokens, cached = [], 0
+        tokens, final = [], None
         async for out in eng.generate(ids, greedy(TOKENS, ignore_eos=True)):
             tokens += out.token_ids
-            if out.finished:
-                cached = out.usage.cached_prompt_tokens
-        return tokens, cached
+            final = out if out.finished else final
+        assert final.reuse_storage == EXACT
+        return tokens, final.usage.cached_prompt_tokens
 
     results = await asyncio.gather(*(one(p) for p in prompts))
     return [t for t, _ in results], sum(c for _, c in results)
@@ -123,12 +127,14 @@ async def test_the_default_configuration_reuses_exactly(bundled_model, tmp_path)
         second = engine(bundled_model, kv.address)  # another replica: nothing local
         runs["KV service"], reused = await serve_all(second, prompts)
         assert reused >= 50 * 256 and second.core.kv.stats.fetched_chunks >= 50
+        assert second.core.kv.stats.fetch_failures == 0
         await second.core.kv.close()
         second.shutdown()
     async with serving(kv_cfg) as kv:  # restarted: the memory tier is empty, LMDB holds the chunks
         third = engine(bundled_model, kv.address)
         runs["LMDB"], reused = await serve_all(third, prompts)
         assert reused >= 50 * 256 and third.core.kv.stats.fetched_chunks >= 50
+        assert third.core.kv.stats.fetch_failures == 0
         await third.core.kv.close()
         third.shutdown()
     for name, run in runs.items():

@@ -56,8 +56,12 @@ def test_chat_non_streaming_answers_and_reuses_the_prompt_the_second_time(client
     assert first.usage.prompt_tokens > 64 and 0 < first.usage.completion_tokens <= 12
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert again.choices[0].message.content == first.choices[0].message.content
-    # the engine's prefix cache holds the first request's whole blocks
+    # the engine's prefix cache holds the first request's whole blocks, and the response says the
+    # hit was exact (the OpenAI SDK keeps the kvmesh extension object as an extra field)
     assert again.usage.prompt_tokens_details.cached_tokens >= 64
+    reuse = again.model_extra["kvmesh"]["reuse"]
+    assert reuse["exact"] and reuse["storage"] == "exact"
+    assert reuse["prefix_cache_tokens"] + reuse["kv_service_tokens"] == again.usage.prompt_tokens_details.cached_tokens
 
 
 def test_chat_streaming_with_usage(client):

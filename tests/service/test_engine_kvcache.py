@@ -149,6 +149,7 @@ async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_addr
     async for out in eng.generate(prompt, greedy(2), kv_codec=fp16):
         final = out
     assert final.finished and await flushed(eng) and eng.core.kv.stats.exported_chunks == 3
+    assert final.reuse_storage == "fp16"  # a float32 engine's KV in fp16: lossy, and said so
     plan = await eng.core.kv.prepare(prompt, eng.preparer.namespace("", fp16))
     _, _, header = codec.decode(await fetch(kv_address, plan.keys[0]), namespace=plan.namespace.digest())
     assert (header.codec, header.zstd) == ("fp16", True)
@@ -166,6 +167,7 @@ async def test_a_prefix_the_engine_holds_is_not_fetched_again(bundled_model, kv_
     assert await flushed(eng) and eng.core.kv.stats.exported_chunks == 3
     _, final = await run(eng, prompt)  # the same engine: its own prefix cache holds the prompt
     assert final.usage.cached_prompt_tokens == 96 and eng.core.kv.stats.fetched_chunks == 0
+    assert final.usage.imported_prompt_tokens == 0 and final.reuse_storage == "exact"  # the default
     longer = prompt + prompt[:40]  # 140 tokens: the local cache covers 96, the service has 3 chunks
     _, final = await run(eng, longer)
     assert final.usage.cached_prompt_tokens >= 96 and eng.core.kv.stats.fetched_chunks == 0
@@ -183,4 +185,5 @@ async def test_only_chunks_past_the_local_prefix_are_fetched(bundled_model, kv_a
     tokens, final = await run(second, prompt)
     assert second.core.kv.stats.fetched_chunks - before == 2  # chunks 1 and 2, after the local hit
     assert final.usage.cached_prompt_tokens == 96 and tokens == cold_tokens
+    assert final.usage.imported_prompt_tokens == 64 and final.reuse_storage == "fp16"  # 32 local, 64 fetched
     await close(second)

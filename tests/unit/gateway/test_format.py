@@ -82,3 +82,23 @@ def test_chat_response_orders_choices():
         (0, "Aa", "length"), (1, "B", "stop")]
     assert body["choices"][0]["message"]["role"] == "assistant" and body["choices"][0]["logprobs"] is None
     json.dumps(body)
+
+
+def test_the_kvmesh_object_says_what_was_reused_and_how():
+    from kvmesh.services.gateway.openai_format import kvmesh_body
+    from kvmesh.services.gateway.spec import KvReuse
+
+    assert kvmesh_body(Usage(prompt_tokens=10)) is None  # nothing reused, no documents
+    exact = Usage(prompt_tokens=300)
+    exact.add_choice(0, 3, 256, KvReuse("exact", kv_service_tokens=0))
+    exact.add_choice(0, 3, 272, KvReuse("exact", kv_service_tokens=256))  # the copy that reused most
+    assert kvmesh_body(exact) == {"reuse": {"storage": "exact", "exact": True, "prefix_cache_tokens": 16,
+                                            "kv_service_tokens": 256}}
+    lossy = Usage(prompt_tokens=600)
+    lossy.add_choice(0, 3, 256, KvReuse("int4-g64-r0-h0-o0", kv_service_tokens=256))
+    lossy.add_choice(1, 3, 0, KvReuse("exact"))  # a prompt that reused nothing says nothing
+    report = kvmesh_body(lossy)["reuse"]
+    assert (report["storage"], report["exact"], report["kv_service_tokens"]) == ("int4-g64-r0-h0-o0", False, 256)
+    body = json.loads(json.dumps(Formatter("completion", "cmpl-1", 7, "m", logprobs=False,
+                                           include_usage=False).response(lossy)))
+    assert body["kvmesh"]["reuse"]["exact"] is False
