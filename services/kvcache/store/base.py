@@ -10,8 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-KEY_BYTES = 32
-"""Every key is a 32-byte digest (see DESIGN.md, "KV chunks and keys")."""
+from kvmesh.kv.keys import KEY_BYTES  # every key is a 32-byte digest (DESIGN.md, "KV chunks and keys")
 
 
 class StoreFull(Exception):
