@@ -145,8 +145,7 @@ def serve_engine(core):
     from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
     from rpc_utils import served
     from kvmesh.services.engine.async_engine import AsyncEngine
-    from kvmesh.services.engine.build import model_info
-    from kvmesh.services.engine.servicer import EngineServicer
+    from kvmesh.services.engine.servicer import EngineServicer, model_info
 
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 

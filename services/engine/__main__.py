@@ -6,10 +6,10 @@ import sys
 from kvmesh.allocator import keep_freed_memory
 from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc.entry import Service, serve_main
-from kvmesh.services.engine.build import build_async_engine, model_info
+from kvmesh.services.engine.build import build_async_engine
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.metrics import EngineMetrics
-from kvmesh.services.engine.servicer import EngineServicer
+from kvmesh.services.engine.servicer import EngineServicer, model_info
 from kvmesh.telemetry import Telemetry
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name

@@ -194,7 +194,7 @@ class AsyncEngine:
             load = dataclasses.replace(
                 load, waiting=load.waiting + len(queued),
                 pending_prefill_tokens=load.pending_prefill_tokens + sum(len(r.prompt_token_ids) for r in queued))
-        cached = self.core.cached_prefix_tokens(prompt_token_ids, self.preparer.namespace(tenant_salt))
+        cached = self.core.cached_prefix_tokens(prompt_token_ids, self.core.request_namespace(tenant_salt))
         return ProbeResult(cached, load)
 
     def abort(self, request_id: str) -> bool:

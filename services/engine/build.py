@@ -9,10 +9,8 @@ import torch
 
 from kvmesh.config import ConfigError
 from kvmesh.threads import set_torch_threads
-from kvmesh.engine.v1 import engine_pb2
 from kvmesh.kv.codec import CodecSpec, exact_codec
 from kvmesh.kv.namespace import KvLayout, KvNamespace
-from kvmesh.kv.namespace_proto import dtype_to_proto, namespace_to_proto
 from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.model.native import paged_decode_kernel
@@ -24,7 +22,6 @@ from kvmesh.services.engine.draft_client import DraftClient, DraftClientConfig
 from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
 from kvmesh.services.engine.scheduler import SchedulerConfig
-from kvmesh.services.engine.servicer import weight_format_to_proto
 from kvmesh.services.engine.speculation import SpecMode
 from kvmesh.services.engine.speculator import SpecConfig
 
@@ -49,7 +46,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, namespace=engine_namespace(loaded),
-                      enable_prefix_caching=cfg.enable_prefix_caching, kv=build_kv_connector(cfg, loaded), drafts=build_draft_client(cfg, loaded, clock),
+                      enable_prefix_caching=cfg.enable_prefix_caching, kv=build_kv_connector(cfg, loaded),
+                      drafts=build_draft_client(cfg, loaded, clock),
                       spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens,
                                       cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
                       blend=BlendConfig(cfg.blend_recompute_ratio,
@@ -102,7 +100,8 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
     if not cfg.kvcache_address:
         return None
     layout = kv_layout(loaded)
-    spec = CodecSpec(name=exact_codec(loaded.dtype) if cfg.kv_codec == "auto" else cfg.kv_codec, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
+    name = exact_codec(loaded.dtype) if cfg.kv_codec == "auto" else cfg.kv_codec
+    spec = CodecSpec(name=name, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
                      head=cfg.kv_head_tokens, key_outliers=cfg.kv_key_outliers)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s,
                                          hot_bytes=cfg.kv_hot_bytes),
@@ -110,18 +109,6 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
     log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,
              spec.name, "+zstd" if cfg.kv_zstd else "")
     return conn
-
-
-def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoResponse:
-    """The GetModelInfo answer for this engine."""
-    mc = core.loaded.config
-    return engine_pb2.GetModelInfoResponse(
-        model=cfg.served_name, weights_digest=core.loaded.weights_digest,
-        max_model_len=core.sched_config.max_model_len, vocab_size=mc.vocab_size,
-        dtype=dtype_to_proto(cfg.dtype), weights=weight_format_to_proto(cfg.weight_format),
-        block_size=core.runner.block_size, num_blocks=core.runner.num_blocks,
-        eos_token_ids=list(mc.eos_token_ids), device=str(core.runner.device),
-        kv_namespace=namespace_to_proto(core.request_namespace()))
 
 
 def build_async_engine(cfg: EngineConfig) -> AsyncEngine:

@@ -279,9 +279,8 @@ class EngineCore:
         out.e2e_s = now - seq.arrival_time
         out.documents = self.blender.usage(rid)
         self.blender.release(rid)
-        out.spec = SpecUsage()
+        out.spec = self.speculator.usage(rid) if self.speculator is not None else SpecUsage()
         if self.speculator is not None:
-            out.spec = self.speculator.usage(rid)
             self.speculator.release(rid)
         if self.kv_transfer is not None:
             self.kv_transfer.release(rid)

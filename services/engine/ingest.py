@@ -56,7 +56,7 @@ async def ingest_document(engine: AsyncEngine, req: IngestRequest) -> IngestResu
         raise InvalidArgument("IngestDocument: the document is empty; send text or token ids")
     if req.ttl_s is not None and not req.ttl_s > 0:
         raise InvalidArgument(f"IngestDocument: ttl_s must be > 0 seconds, got {req.ttl_s}")
-    namespace = engine.preparer.namespace(req.tenant_salt, req.kv_codec)
+    namespace = engine.core.request_namespace(req.tenant_salt, req.kv_codec)
     chunks = document_chunks(req.token_ids, kv.config.chunk_tokens, namespace.digest())
     present = await kv.lookup([key for _, _, key in chunks])
     missing = [(key, a, b) for (a, b, key), p in zip(chunks, present) if not p]

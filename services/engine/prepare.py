@@ -15,7 +15,6 @@ from opentelemetry import trace
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv import codec
 from kvmesh.kv.blend import BlendPrefill
-from kvmesh.kv.namespace import KvNamespace
 from kvmesh.prompt_parts import Part
 from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.documents import DocumentExports, check_parts, plan_documents, resolve
@@ -56,10 +55,6 @@ class RequestPreparer:
         self.start_probe = start_probe
         """Starts a blend's first stage on the step loop while the documents' KV is fetched."""
 
-    def namespace(self, tenant_salt: str, spec: Optional[codec.CodecSpec] = None) -> KvNamespace:
-        """EngineCore.request_namespace."""
-        return self.core.request_namespace(tenant_salt, spec)
-
     def check(self, inp: GenerateInput) -> None:
         """InvalidArgument for what can be checked before anything is fetched."""
         if inp.recompute_ratio is not None and not 0.0 <= inp.recompute_ratio <= 1.0:
@@ -75,7 +70,7 @@ class RequestPreparer:
     async def prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> EngineRequest:
         """Resolves, plans and fetches (see the module docstring); `check` must have passed."""
         kv = self.core.kv
-        namespace = self.namespace(inp.tenant_salt, inp.kv_codec)
+        namespace = self.core.request_namespace(inp.tenant_salt, inp.kv_codec)
         fetch_span = tracer("kvmesh.engine").start_span("engine.kv_fetch") if kv is not None else None
         prompt, plan, blend, doc_exports, document_ids = inp.prompt_token_ids, None, None, inp.doc_exports, ()
         fetch = inp.params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed

@@ -16,7 +16,10 @@ from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.prompt_parts import Part, part_from_proto
 from kvmesh.kv.codec import CodecSpec
+from kvmesh.kv.namespace_proto import dtype_to_proto, namespace_to_proto
 from kvmesh.services.engine.async_engine import AsyncEngine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.ingest import IngestRequest
 from kvmesh.services.engine.outputs import RequestOutput
 from kvmesh.services.engine.sampler import TokenLogprobs
@@ -244,3 +247,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:
         return self.info
+
+
+def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoResponse:
+    """The GetModelInfo answer for this engine."""
+    mc = core.loaded.config
+    return engine_pb2.GetModelInfoResponse(
+        model=cfg.served_name, weights_digest=core.loaded.weights_digest,
+        max_model_len=core.sched_config.max_model_len, vocab_size=mc.vocab_size,
+        dtype=dtype_to_proto(cfg.dtype), weights=weight_format_to_proto(cfg.weight_format),
+        block_size=core.runner.block_size, num_blocks=core.runner.num_blocks,
+        eos_token_ids=list(mc.eos_token_ids), device=str(core.runner.device),
+        kv_namespace=namespace_to_proto(core.request_namespace()))

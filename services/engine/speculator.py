@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
@@ -30,8 +31,6 @@ from kvmesh.services.engine.scheduler import Scheduler
 from kvmesh.services.engine.sequence import Sequence
 from kvmesh.services.engine.spec_gate import SpecGate
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage, verify_batch
-
-import torch
 
 
 @dataclass(frozen=True)

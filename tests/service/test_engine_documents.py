@@ -105,7 +105,7 @@ async def test_engine_blend_matches_the_dense_blend(bundled_model, kv, texts):
     eng = engine(bundled_model, kv.address)
     await run(eng, parts=prompt_parts(texts, "a", "b", "head1")[0])  # stores both documents
     await asyncio.to_thread(eng.core.kv.flush)
-    ns = eng.preparer.namespace("").digest()
+    ns = eng.core.request_namespace("").digest()
     segments = [Segment.new(texts["head2"])]
     for name, tail in (("b", texts["sep"]), ("a", texts["q"])):
         for a, b, key in document_chunks(texts[name], CHUNK, ns):

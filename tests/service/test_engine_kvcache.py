@@ -108,7 +108,7 @@ async def test_bad_blob_is_a_miss_and_is_deleted(bundled_model, kv_address, prom
     first = engine(bundled_model, kv_address, kv_codec="fp16")  # fp16: outputs comparable token for token
     cold_tokens, _ = await run(first, prompt)
     assert await flushed(first)
-    plan = await first.core.kv.prepare(prompt, first.preparer.namespace(""))
+    plan = await first.core.kv.prepare(prompt, first.core.request_namespace(""))
     ns = plan.namespace.digest()
     await close(first)
     # Overwrite chunk 1 with an intact blob that claims other tokens (a bad writer / collision).
@@ -150,11 +150,11 @@ async def test_per_request_codec_overrides_the_deployment(bundled_model, kv_addr
         final = out
     assert final.finished and await flushed(eng) and eng.core.kv.stats.exported_chunks == 3
     assert final.reuse_storage == "fp16"  # a float32 engine's KV in fp16: lossy, and said so
-    plan = await eng.core.kv.prepare(prompt, eng.preparer.namespace("", fp16))
+    plan = await eng.core.kv.prepare(prompt, eng.core.request_namespace("", fp16))
     _, _, header = codec.decode(await fetch(kv_address, plan.keys[0]), namespace=plan.namespace.digest())
     assert (header.codec, header.zstd) == ("fp16", True)
     # the deployment's int4 namespace holds none of them: lossy formats never pass for each other
-    assert not any((await eng.core.kv.client.lookup((await eng.core.kv.prepare(prompt, eng.preparer.namespace(""))).keys)).present)
+    assert not any((await eng.core.kv.client.lookup((await eng.core.kv.prepare(prompt, eng.core.request_namespace(""))).keys)).present)
     from kvmesh.errors import InvalidArgument
     with pytest.raises(InvalidArgument, match="unknown KV codec 'int3'"):
         eng.kv_codec("int3", False)

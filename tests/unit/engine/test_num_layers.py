@@ -5,7 +5,8 @@ import torch
 from engine_utils import greedy, load_tiny, make_core, make_tiny_checkpoint, run_all
 from kvmesh.config import ConfigError, load_config
 from kvmesh.model.loader import truncate_layers
-from kvmesh.services.engine.build import build_core, kv_layout, model_info
+from kvmesh.services.engine.build import build_core, kv_layout
+from kvmesh.services.engine.servicer import model_info
 from kvmesh.services.engine.config import EngineConfig
 
 PROMPT = [(17 * i + 2) % 256 for i in range(40)]

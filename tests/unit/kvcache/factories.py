@@ -1,4 +1,4 @@
-"""Deterministic keys, blobs and a fake clock for the store tests (also imported by the crash-test child)."""
+"""Deterministic keys and blobs for the store tests (also imported by the crash-test child)."""
 from __future__ import annotations
 
 import hashlib
@@ -12,16 +12,3 @@ def key(i: int) -> bytes:
 def blob(i: int, size: int) -> bytes:
     """``size`` bytes derived from ``key(i)`` alone, so any stored blob can be recomputed and checked."""
     return hashlib.shake_256(key(i)).digest(size)
-
-
-class FakeClock:
-    """A clock the test advances by hand (seconds)."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds

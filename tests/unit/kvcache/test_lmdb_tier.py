@@ -11,7 +11,9 @@ import pytest
 
 from kvmesh.services.kvcache.store import EntryTooLarge, LmdbTier, StoreFull, StoreInUse
 
-from .factories import FakeClock, blob, key
+from fake_clock import FakeClock
+
+from .factories import blob, key
 
 MiB = 1 << 20
 

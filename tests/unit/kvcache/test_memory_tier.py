@@ -3,7 +3,9 @@ import pytest
 
 from kvmesh.services.kvcache.store import EntryTooLarge, MemoryTier, StoreFull, TierStats
 
-from .factories import FakeClock, blob, key
+from fake_clock import FakeClock
+
+from .factories import blob, key
 
 
 def held(tier, n):

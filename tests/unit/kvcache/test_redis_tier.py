@@ -8,7 +8,9 @@ import redis
 from kvmesh.services.kvcache.store import (
     EntryTooLarge, MemoryTier, RedisTier, TieredStore, TierStats, TierUnavailable)
 
-from .factories import FakeClock, blob, key
+from fake_clock import FakeClock
+
+from .factories import blob, key
 
 
 def test_round_trip_and_exact_stats(redis_server):

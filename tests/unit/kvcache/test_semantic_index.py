@@ -12,7 +12,9 @@ from kvmesh.services.kvcache.catalog import Catalog, Document
 from kvmesh.services.kvcache.index import Entry, Kind, VectorIndex
 from kvmesh.services.kvcache.store import LmdbTier, MemoryTable, MemoryTier, TieredStore
 
-from .factories import FakeClock, blob, key
+from fake_clock import FakeClock
+
+from .factories import blob, key
 
 DIM = 8
 NS_A, NS_B = b"A" * 16, b"B" * 16

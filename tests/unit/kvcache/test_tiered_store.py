@@ -6,7 +6,9 @@ from kvmesh.services.kvcache.store import (
     EntryTooLarge, LmdbTier, MemoryTier, StoreFull, TieredStore, TierUnavailable)
 from kvmesh.services.kvcache.store.base import Tier
 
-from .factories import FakeClock, blob, key
+from fake_clock import FakeClock
+
+from .factories import blob, key
 
 MiB = 1 << 20
 
