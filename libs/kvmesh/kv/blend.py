@@ -367,17 +367,18 @@ def segment_kv(model, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.inference_mode()
-def continuation_logprobs(model, k: torch.Tensor, v: torch.Tensor, last_logits: torch.Tensor,
-                          token_ids: Sequence[int]) -> torch.Tensor:
-    """Log-probabilities [n] float32 of `token_ids` continuing a prompt whose KV is k, v
+def continuation_logits(model, k: torch.Tensor, v: torch.Tensor, last_logits: torch.Tensor,
+                        token_ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits [n, vocab] float32 along `token_ids` continuing a prompt whose KV is k, v
     ``[layers, T, kv_heads, head_dim]`` (keys rotated to 0..T-1, as BlendResult holds them) and
-    whose last position gave `last_logits` [vocab]: how well a (blended or full) prefill predicts
-    a reference answer. The continuation attends to that KV and to itself, causally."""
+    whose last position gave `last_logits` [vocab]: row i is the distribution of token i given
+    the prompt and token_ids[:i] (teacher forcing). The continuation attends to that KV and to
+    itself, causally."""
     if not token_ids:
-        raise ValueError("continuation_logprobs needs at least one token")
+        raise ValueError("continuation_logits needs at least one token")
     device, dtype = model.device, model.dtype
     targets = torch.tensor(list(token_ids), dtype=torch.long, device=device)
-    out = [torch.log_softmax(last_logits.float(), dim=-1)[targets[0]].reshape(1)]
+    out = [last_logits.float().reshape(1, -1).to(device)]
     n, T = targets.numel(), k.shape[1]
     if n > 1:
         positions = torch.arange(T, T + n - 1, device=device)
@@ -389,9 +390,19 @@ def continuation_logprobs(model, k: torch.Tensor, v: torch.Tensor, last_logits: 
             keys = torch.cat([k[l].to(device, dtype), kk])
             values = torch.cat([v[l].to(device, dtype), vv])
             h = _finish(layer, h, _attend(layer, q, keys, values, groups))
-        logits = model.compute_logits(model.model.norm(h))
-        out.append(torch.log_softmax(logits, dim=-1).gather(1, targets[1:, None])[:, 0])
-    return torch.cat(out).float().cpu()
+        out.append(model.compute_logits(model.model.norm(h)).float())
+    return torch.cat(out).cpu()
+
+
+def continuation_logprobs(model, k: torch.Tensor, v: torch.Tensor, last_logits: torch.Tensor,
+                          token_ids: Sequence[int]) -> torch.Tensor:
+    """Log-probabilities [n] float32 of `token_ids` continuing a prompt (see
+    `continuation_logits`): how well a (blended or full) prefill predicts a reference answer."""
+    if not token_ids:
+        raise ValueError("continuation_logprobs needs at least one token")
+    logits = continuation_logits(model, k, v, last_logits, token_ids)
+    targets = torch.tensor(list(token_ids), dtype=torch.long)
+    return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
 
 
 @torch.inference_mode()
