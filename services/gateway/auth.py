@@ -7,6 +7,9 @@ The keys file (JSON, written by `python -m kvmesh.services.gateway.keys`):
        {"name": "acme",                      # [A-Za-z0-9._-], 1..64 characters
         "cache_namespace": null,             # optional: tenants naming the same namespace share KV
         "max_inflight_requests": 32,         # optional: this tenant's in-flight cap (else the default)
+        "lossy": {"kv_codec": "int8", "recompute_ratio": 0.15, "max_kl": 0.05, "min_top1": 0.95},
+                                             # optional: lossy reuse paths this tenant's requests opt
+                                             # into by default, and the quality budget they accept
         "keys": [{"id": "k-3f9a1c0e", "sha256": "<64 hex>", "created": "2025-01-01T00:00:00Z"}]}]}
 
 NOTE (hashing). Only a hash of each key is stored: SHA-256 of the UTF-8 key, unsalted. Keys are
@@ -38,6 +41,7 @@ from typing import Any
 
 from kvmesh.errors import Unauthenticated
 from kvmesh.kv.namespace import tenant_salt
+from kvmesh.kv.quality import LossyOptIn
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,9 @@ class Tenant:
     name: str
     cache_salt: str
     max_inflight_requests: int | None = None
+    lossy: LossyOptIn | None = None
+    """Lossy reuse paths the tenant opted into (kvmesh.kv.quality.LossyOptIn); None = exact only,
+    unless a request opts in itself."""
 
 
 def hash_key(key: str) -> str:
@@ -103,7 +110,13 @@ def parse_keys_file(data: Any, where: str) -> list[tuple[str, Tenant]]:
         limit = t.get("max_inflight_requests")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise KeysFileError(f"{at}.max_inflight_requests must be a whole number >= 1 or null")
-        tenant = Tenant(name, tenant_salt(name, namespace), limit)
+        lossy = None
+        if t.get("lossy") is not None:
+            try:
+                lossy = LossyOptIn.from_json(t["lossy"])
+            except ValueError as e:
+                raise KeysFileError(f"{at}.lossy: {e}") from None
+        tenant = Tenant(name, tenant_salt(name, namespace), limit, lossy)
         for j, k in enumerate(t.get("keys") or []):
             digest = k.get("sha256") if isinstance(k, dict) else None
             if not isinstance(digest, str) or not _HEX64.match(digest):

@@ -18,6 +18,7 @@ import grpc
 from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2 as pb
 from kvmesh.gateway.v1 import gateway_pb2_grpc
+from kvmesh.kv.quality import LossyOptIn, QualityBudget
 from kvmesh.services.gateway.auth import Tenant, bearer_token
 from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
 from kvmesh.services.gateway.service import Gateway
@@ -51,13 +52,30 @@ def _sampling(o: pb.GenerationOptions) -> tuple[Sampling, int]:
     return sampling, (o.n if opt("n") else 1)
 
 
+def _lossy(o: pb.GenerationOptions) -> LossyOptIn | None:
+    """GenerationOptions.lossy as the domain opt-in (400 naming the field when out of range)."""
+    if not o.HasField("lossy"):
+        return None
+    lossy = o.lossy
+
+    def num(x: float) -> float | None:  # a float32 field as the decimal the caller wrote (0.03, not 0.0299999)
+        return float(f"{x:.7g}") if x else None
+
+    try:
+        return LossyOptIn(lossy.kv_codec or None,
+                          num(lossy.recompute_ratio) or 0.0 if lossy.HasField("recompute_ratio") else None,
+                          QualityBudget(num(lossy.budget.max_kl), num(lossy.budget.min_top1)))
+    except ValueError as e:
+        raise invalid(f"options.lossy: {e}", "options.lossy") from None
+
+
 def complete_request(r: pb.CompleteRequest) -> GenerationRequest:
     """A Complete call as the domain request."""
     sampling, n = _sampling(r.options)
     which = r.WhichOneof("prompt")
     prompt: str | tuple[int, ...] = tuple(r.token_ids.ids) if which == "token_ids" else r.text
     return GenerationRequest(kind="completion", model=r.model, prompts=(prompt,),
-                             sampling=sampling, n=n, echo=r.echo, user=r.user)
+                             sampling=sampling, n=n, echo=r.echo, user=r.user, lossy=_lossy(r.options))
 
 
 def _role(value: int, index: int) -> str:
@@ -82,7 +100,7 @@ def chat_request(r: pb.ChatCompleteRequest) -> GenerationRequest:
     return GenerationRequest(kind="chat", model=r.model, messages=messages, sampling=sampling,
                              n=n, user=r.user, documents=documents, retrieve=retrieve,
                              recompute_ratio=(r.recompute_ratio if r.HasField("recompute_ratio")
-                                              else None))
+                                              else None), lossy=_lossy(r.options))
 
 
 def final_chunk(head: dict[str, Any], u: Usage) -> pb.CompletionChunk:
@@ -94,7 +112,8 @@ def final_chunk(head: dict[str, Any], u: Usage) -> pb.CompletionChunk:
     if reuse is not None:
         chunk.reuse.CopyFrom(pb.KvReuse(storage=reuse.storage, exact=reuse.exact,
                                         prefix_cache_tokens=reuse.prefix_cache_tokens,
-                                        kv_service_tokens=reuse.kv_service_tokens))
+                                        kv_service_tokens=reuse.kv_service_tokens,
+                                        fallback=reuse.fallback))
     if u.documents is not None:
         chunk.documents.CopyFrom(pb.DocumentUsage(
             document_ids=list(u.documents.document_ids),

@@ -1,6 +1,7 @@
 """`python -m kvmesh.services.gateway.keys`: manage the gateway's API keys file.
 
     ... keys add --keys-file keys.json --tenant acme [--cache-namespace shared] [--max-inflight-requests 32]
+             [--lossy '{"kv_codec": "int8", "max_kl": 0.05}']
     ... keys list --keys-file keys.json
     ... keys revoke --keys-file keys.json --key-id k-3f9a1c0e
 
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvmesh.kv.quality import LossyOptIn
 from kvmesh.services.gateway.auth import (
     KEY_PREFIX,
     KEYS_FILE_VERSION,
@@ -76,10 +78,11 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def add_key(path: Path, tenant: str, *, cache_namespace: str | None = None,
-            max_inflight_requests: int | None = None) -> tuple[str, str]:
+            max_inflight_requests: int | None = None, lossy: LossyOptIn | None = None) -> tuple[str, str]:
     """Create a key for `tenant` (creating the tenant and the file as needed); returns (id, key).
 
-    `cache_namespace` / `max_inflight_requests`, when given, are set on the tenant.
+    `cache_namespace` / `max_inflight_requests` / `lossy` (its opt-in to lossy reuse paths), when
+    given, are set on the tenant.
     """
     check_name(tenant, "tenant")
     if cache_namespace is not None:
@@ -99,6 +102,8 @@ def add_key(path: Path, tenant: str, *, cache_namespace: str | None = None,
             entry["cache_namespace"] = cache_namespace
         if max_inflight_requests is not None:
             entry["max_inflight_requests"] = max_inflight_requests
+        if lossy is not None:
+            entry["lossy"] = lossy.to_json()
         created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         entry.setdefault("keys", []).append({"id": key_id, "sha256": hash_key(key), "created": created})
         write_atomic(path, data)
@@ -134,14 +139,23 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--tenant", required=True, help="tenant name (A-Z a-z 0-9 . _ -)")
             p.add_argument("--cache-namespace", help="share cached KV with tenants naming the same namespace")
             p.add_argument("--max-inflight-requests", type=int, help="this tenant's in-flight request cap")
+            p.add_argument("--lossy", help="JSON opt-in of the tenant's requests to lossy reuse paths, with the "
+                                           "quality budget accepted: any of kv_codec (fp16, bf16, int8, int4, int2), "
+                                           "recompute_ratio (blending, [0, 1)), max_kl, min_top1")
         if name == "revoke":
             p.add_argument("--key-id", required=True, help="id shown by `add` and `list`")
     args = parser.parse_args(argv)
     path = Path(args.keys_file)
     try:
         if args.command == "add":
+            lossy = None
+            if args.lossy is not None:
+                try:
+                    lossy = LossyOptIn.from_json(json.loads(args.lossy))
+                except (ValueError, json.JSONDecodeError) as e:
+                    raise KeysFileError(f"--lossy: {e}") from None
             key_id, key = add_key(path, args.tenant, cache_namespace=args.cache_namespace,
-                                  max_inflight_requests=args.max_inflight_requests)
+                                  max_inflight_requests=args.max_inflight_requests, lossy=lossy)
             print(key)
             print(f"added key {key_id} for tenant {args.tenant} to {path}; the key is shown only "
                   "this once", file=sys.stderr)

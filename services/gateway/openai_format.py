@@ -11,7 +11,9 @@ Requests that reused cached KV, or had documents, get a kvmesh extension object 
 ``"kvmesh": {"reuse": {"storage": "exact", "exact": true, "prefix_cache_tokens": P,
 "kv_service_tokens": S}}``, with ``"document_ids": [...], "blended_tokens": N,
 "recomputed_tokens": M`` for documents. A storage other than "exact" names the lossy path (a KV
-codec, or the blend with its recompute ratio) that the request or its tenant opted into.
+codec, or the blend with its recompute ratio) that the request or its tenant opted into; a
+``"fallback"`` string names a lossy path that was asked for and not served (the engine's
+guardrail estimated it over the request's quality budget), whose reuse was exact instead.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def kvmesh_body(usage: Usage) -> dict[str, Any] | None:
         body["reuse"] = {"storage": reuse.storage, "exact": reuse.exact,
                          "prefix_cache_tokens": reuse.prefix_cache_tokens,
                          "kv_service_tokens": reuse.kv_service_tokens}
+        if reuse.fallback:
+            body["reuse"]["fallback"] = reuse.fallback
     if usage.documents is not None:
         d = usage.documents
         body.update({"document_ids": list(d.document_ids), "blended_tokens": d.blended_tokens,

@@ -8,6 +8,10 @@ Range checks shared with the gRPC API live in `spec.validate_request`.
 kvmesh extensions of chat completions: `documents` (a list of `{"id": ...}` or `{"text": ...}`),
 `retrieve` (`{"top_k": 1..kvmesh.limits.MAX_RETRIEVE_K, "query": optional}`) and `recompute_ratio` (0..1); see
 `spec.GenerationRequest`. Completions refuse them.
+
+The `kvmesh` extension object of both: `{"lossy": {"kv_codec": "int8", "recompute_ratio": 0.15,
+"max_kl": 0.05, "min_top1": 0.95}}` opts the request into lossy reuse paths with the quality it
+accepts (kvmesh.kv.quality.LossyOptIn; every field optional, unset ones come from the tenant).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvmesh.kv.quality import LossyOptIn
 from kvmesh.services.gateway.errors import ApiError, invalid
 from kvmesh.services.gateway.spec import (
     ChatTurn,
@@ -72,6 +77,7 @@ class _Common(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    kvmesh: Any = None
 
 
 class CompletionBody(_Common):
@@ -160,6 +166,28 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+KVMESH_FIELDS = ("lossy",)
+
+
+def _lossy(body: _Common) -> LossyOptIn | None:
+    """The request's `kvmesh.lossy` opt-in (400 naming the field when malformed)."""
+    ext = body.kvmesh
+    if ext is None:
+        return None
+    if not isinstance(ext, dict):
+        raise invalid("kvmesh must be an object, e.g. {\"lossy\": {\"kv_codec\": \"int8\"}}", "kvmesh")
+    unknown = sorted(set(ext) - set(KVMESH_FIELDS))
+    if unknown:
+        raise invalid(f"kvmesh.{unknown[0]} is not a kvmesh extension; use one of {', '.join(KVMESH_FIELDS)}",
+                      f"kvmesh.{unknown[0]}")
+    if ext.get("lossy") is None:
+        return None
+    try:
+        return LossyOptIn.from_json(ext["lossy"])
+    except ValueError as e:
+        raise invalid(f"kvmesh.lossy: {e}", "kvmesh.lossy") from None
+
+
 def _check_common(body: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name)
@@ -190,7 +218,7 @@ def completion_request(body: CompletionBody) -> GenerationRequest:
         prompts = tuple(p if isinstance(p, str) else tuple(p) for p in prompt)  # type: ignore[union-attr]
     return GenerationRequest(
         kind="completion", model=body.model, prompts=prompts, n=n, echo=bool(body.echo),
-        user=body.user or "",
+        user=body.user or "", lossy=_lossy(body),
         sampling=Sampling(max_tokens=body.max_tokens, temperature=body.temperature,
                           top_p=body.top_p, seed=body.seed, stop=_stop(body.stop),
                           logprobs=body.logprobs))
@@ -241,4 +269,4 @@ def chat_request(body: ChatCompletionBody) -> GenerationRequest:
         documents=tuple(DocumentRef(d.id, d.text) for d in body.documents or ()),
         retrieve=(None if body.retrieve is None
                   else Retrieval(body.retrieve.top_k, body.retrieve.query)),
-        recompute_ratio=body.recompute_ratio)
+        recompute_ratio=body.recompute_ratio, lossy=_lossy(body))

@@ -322,12 +322,22 @@ class Gateway:
             echo = EchoedPrompt(prompt.text, prompt.token_ids, placeholders)
         upstream = engine_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
                                               cache_salt=tenant.cache_salt)
+        lossy = req.lossy.over(tenant.lossy) if req.lossy is not None else tenant.lossy
+        ratio = req.recompute_ratio if req.recompute_ratio is not None else (lossy and lossy.recompute_ratio)
         if prompt.parts:
             upstream.parts.parts.extend(part_to_proto(p) for p in prompt.parts)
-            if req.recompute_ratio is not None:
-                upstream.blend.recompute_ratio = req.recompute_ratio
+            if ratio is not None:
+                upstream.blend.recompute_ratio = ratio
         else:
             upstream.token_ids.CopyFrom(common_pb2.TokenIds(ids=prompt.token_ids))
+        if lossy is not None:
+            if lossy.kv_codec is not None:
+                upstream.kv_storage.CopyFrom(engine_pb2.KvStorage(
+                    codec=engine_pb2.KvCodec.Value("KV_CODEC_" + lossy.kv_codec.upper()), zstd=True))
+            budget = lossy.budget
+            if budget.max_kl is not None or budget.min_top1 is not None:
+                upstream.quality_budget.CopyFrom(common_pb2.QualityBudget(max_kl=budget.max_kl or 0.0,
+                                                                          min_top1=budget.min_top1 or 0.0))
         request = router_pb2.RouteRequest(request=upstream, model=req.model, tenant=tenant.name,
                                           prompt_text=prompt.text)
         return ChoiceJob(index, prompt_index, request, echo)

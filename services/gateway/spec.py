@@ -21,6 +21,7 @@ from kvmesh.limits import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
 )
+from kvmesh.kv.quality import LossyOptIn
 from kvmesh.services.gateway.errors import invalid
 
 # OpenAI API rules that the engine does not share, so they are the gateway's alone.
@@ -92,6 +93,8 @@ class GenerationRequest:
     documents: tuple[DocumentRef, ...] = ()
     retrieve: Retrieval | None = None
     recompute_ratio: float | None = None
+    lossy: LossyOptIn | None = None
+    """The request's own opt-in to lossy reuse paths (the kvmesh extension), over its tenant's."""
 
     @property
     def uses_documents(self) -> bool:
@@ -155,6 +158,9 @@ def _validate_documents(req: GenerationRequest) -> None:
                           "documents' reused KV is recomputed", "recompute_ratio")
         if math.isnan(r) or not 0.0 <= r <= 1.0:
             raise invalid(f"recompute_ratio must be in [0, 1], got {r}", "recompute_ratio")
+    if req.lossy is not None and req.lossy.recompute_ratio is not None and not req.uses_documents:
+        raise invalid("kvmesh.lossy.recompute_ratio needs documents or retrieve: it opts the documents' "
+                      "reused KV into blending", "kvmesh.lossy.recompute_ratio")
     if not req.uses_documents:
         return
     param = "documents" if req.documents else "retrieve"
@@ -265,6 +271,8 @@ class KvReuse:
     """"exact", or the lossy path that made the reused KV (a codec, a blend)."""
     kv_service_tokens: int = 0
     """Reused prompt tokens that came from the KV-cache service (the rest: the engine's prefix cache)."""
+    fallback: str = ""
+    """A lossy path the request opted into and the engine did not serve, and why."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +283,8 @@ class ReuseReport:
     """"exact" when every reused token was exact, else the lossy path(s) that made them."""
     prefix_cache_tokens: int
     kv_service_tokens: int
+    fallback: str = ""
+    """Lossy paths asked for and not served (the guardrail held them over budget), and why."""
 
     @property
     def exact(self) -> bool:
@@ -292,6 +302,7 @@ class Usage:
     """Requests with documents: the report of the copy that reused the most (None otherwise)."""
     _cached: dict[int, int] = field(default_factory=dict, repr=False)
     _reuse: dict[int, KvReuse] = field(default_factory=dict, repr=False)
+    _fallbacks: list[KvReuse] = field(default_factory=list, repr=False)
     _documents_reported: bool = field(default=False, repr=False)
 
     def add_choice(self, prompt_index: int, completion_tokens: int, cached_tokens: int,
@@ -299,6 +310,8 @@ class Usage:
         """Account one finished choice of prompt `prompt_index` (the copy that reused the most
         speaks for the prompt's reuse)."""
         self.completion_tokens += completion_tokens
+        if reuse.fallback:
+            self._fallbacks.append(reuse)
         if prompt_index not in self._cached or cached_tokens > self._cached[prompt_index]:
             self._reuse[prompt_index] = reuse
         self._cached[prompt_index] = max(self._cached.get(prompt_index, 0), cached_tokens)
@@ -320,12 +333,14 @@ class Usage:
         return sum(self._cached.values())
 
     def reuse(self) -> ReuseReport | None:
-        """What the request's cache hits were, None when it reused nothing."""
-        if not self.cached_tokens:
+        """What the request's cache hits were, None when it reused nothing and no lossy path it
+        asked for fell back."""
+        fallback = "; ".join(sorted({r.fallback for r in self._fallbacks if r.fallback}))
+        if not self.cached_tokens and not fallback:
             return None
         lossy = sorted({r.storage for i, r in self._reuse.items() if self._cached.get(i) and r.storage != "exact"})
         service = sum(r.kv_service_tokens for r in self._reuse.values())
-        return ReuseReport(",".join(lossy) or "exact", self.cached_tokens - service, service)
+        return ReuseReport(",".join(lossy) or "exact", self.cached_tokens - service, service, fallback)
 
     @property
     def total_tokens(self) -> int:

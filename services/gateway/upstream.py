@@ -181,7 +181,8 @@ async def run_choice(router: RouterClient, job: ChoiceJob
                                     u.cached_prompt_tokens,
                                     DocumentUsage(tuple(f.document_ids), f.blended_tokens,
                                                   f.recomputed_tokens),
-                                    KvReuse(f.reuse.storage or "exact", f.reuse.kv_service_tokens))
+                                    KvReuse(f.reuse.storage or "exact", f.reuse.kv_service_tokens,
+                                            f.reuse.fallback))
             if first or delta.text or delta.token_ids or finish:
                 yield ChoiceDelta(job.index, delta.text, tuple(delta.token_ids),
                                   _logprobs(delta.logprobs), finish, echo, first)

@@ -64,6 +64,71 @@ class QualityBudget:
 
 DEFAULT_BUDGET = QualityBudget(DEFAULT_MAX_KL, DEFAULT_MIN_TOP1)
 
+LOSSY_KV_CODECS = ("fp16", "bf16", "int8", "int4", "int2")
+"""KV codecs a request or tenant may opt into (lossy for a float32 engine)."""
+LOSSY_FIELDS = ("kv_codec", "recompute_ratio", "max_kl", "min_top1")
+
+
+@dataclass(frozen=True)
+class LossyOptIn:
+    """An opt-in to lossy reuse paths, with the quality accepted: a tenant's (the keys file's
+    ``"lossy"`` object) or a request's (the ``kvmesh.lossy`` extension). Same JSON shape in
+    both: ``{"kv_codec": "int8", "recompute_ratio": 0.15, "max_kl": 0.05, "min_top1": 0.95}``,
+    every field optional."""
+
+    kv_codec: Optional[str] = None
+    """A lossy KV codec (LOSSY_KV_CODECS) for the prompt KV stored and reused; None = exact."""
+    recompute_ratio: Optional[float] = None
+    """Blending of documents at this recompute ratio, in [0, 1); None = no blending."""
+    budget: QualityBudget = QualityBudget()
+
+    def __post_init__(self) -> None:
+        if self.kv_codec is not None and self.kv_codec not in LOSSY_KV_CODECS:
+            raise ValueError(f"kv_codec {self.kv_codec!r} is not a lossy KV codec; use one of "
+                             f"{', '.join(LOSSY_KV_CODECS)} (exact reuse needs no opt-in)")
+        r = self.recompute_ratio
+        if r is not None and not 0.0 <= r < 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1) to opt into blending (0 = pure reuse; "
+                             f"1 is the exact default), got {r}")
+
+    @classmethod
+    def from_json(cls, obj: object) -> LossyOptIn:
+        """From the JSON object (ValueError naming the field on anything else)."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"must be an object with any of {', '.join(LOSSY_FIELDS)}")
+        unknown = sorted(set(obj) - set(LOSSY_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}; use any of {', '.join(LOSSY_FIELDS)}")
+
+        def number(name: str) -> Optional[float]:
+            v = obj.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            return None if v is None else float(v)
+
+        codec = obj.get("kv_codec")
+        if codec is not None and not isinstance(codec, str):
+            raise ValueError(f"kv_codec must be a string, got {codec!r}")
+        return cls(codec, number("recompute_ratio"), QualityBudget(number("max_kl"), number("min_top1")))
+
+    def to_json(self) -> dict:
+        out = {"kv_codec": self.kv_codec, "recompute_ratio": self.recompute_ratio,
+               "max_kl": self.budget.max_kl, "min_top1": self.budget.min_top1}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def over(self, base: Optional[LossyOptIn]) -> LossyOptIn:
+        """This opt-in with what it leaves unset taken from `base` (a request over its tenant)."""
+        if base is None:
+            return self
+        return LossyOptIn(self.kv_codec if self.kv_codec is not None else base.kv_codec,
+                          self.recompute_ratio if self.recompute_ratio is not None else base.recompute_ratio,
+                          self.budget.over(base.budget))
+
+    @property
+    def any(self) -> bool:
+        """Opts into at least one lossy path."""
+        return self.kv_codec is not None or self.recompute_ratio is not None
+
 
 @dataclass(frozen=True)
 class Comparison:
