@@ -8,8 +8,9 @@ question answered by one of them (questions written for this benchmark, in other
 section's), and asks for the passage that answers it. The reference answer is the first 48 tokens
 of that section's body.
 
-Processes: one KV-cache service (fp16 codec, so the figures measure blending, not quantization)
-and one engine (fp32, all cores), both on this machine, driven over gRPC.
+Processes: one KV-cache service and one engine (fp32, all cores, the deployment's default KV
+codec: exact fp32, so the figures measure blending alone), both on this machine, driven over gRPC.
+Blending is opt-in: every blend request sets its recompute ratio.
 
 Rows:
 * ``mode`` = full (``recompute_ratio`` 1: nothing reused), prefix (the same documents were
@@ -393,7 +394,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
             def start_engine(*extra: str):
                 return launcher.start_service(
                     "bench-engine", "kvmesh.services.engine",
-                    ["--threads", threads, "--kvcache-address", kv.address, "--kv-codec", "fp16",
+                    ["--threads", threads, "--kvcache-address", kv.address,
                      "--kv-cache-bytes", str(1 << 30), *extra], launcher.free_port())
 
             engine = start_engine()

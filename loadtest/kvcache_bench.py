@@ -2,15 +2,18 @@
 time to first token.
 
 Side by side in one run on the bundled SmolLM2-135M:
-  * per codec (fp16, int8, int4, int2; each with and without zstd), on the real KV of a 2,048-token
-    prompt of English text (``pydoc_data.topics``) cut in 256-token chunks: stored bytes per token
-    and the ratio to fp16; perplexity of the held-out next 512 tokens when the prompt's KV comes
-    back from the codec, against exact KV; and the share of 32 greedy tokens identical to the run
-    on exact KV;
-  * time to first token through the real services (engine + KV-cache processes on loopback, the
-    deployment default codec int4+zstd): cold (full prefill), warm from the KV service's memory
-    tier (engine restarted, so its own prefix cache is empty), and warm from LMDB (engine and KV
-    service restarted; the OS page cache is warm, as on a live machine).
+  * per codec (fp32 -- the deployment default ``--kv-codec auto`` of a float32 engine, exact --
+    then the lossy fp16, int8, int4, int2; each with and without zstd), on the real KV of a
+    2,048-token prompt of English text (``pydoc_data.topics``) cut in 256-token chunks: stored
+    bytes per token and the ratio to fp16; perplexity of the held-out next 512 tokens when the
+    prompt's KV comes back from the codec, against exact KV; and the share of 32 greedy tokens
+    identical to the run on exact KV (one text: `kvmesh bench quality` measures the lossy paths
+    on many prompts);
+  * time to first token through the real services (engine + KV-cache processes on loopback), with
+    the default codec (``auto``: exact fp32 + zstd) and with int4+zstd (``codec`` param): cold
+    (full prefill), warm from the KV service's memory tier (engine restarted, so its own prefix
+    cache is empty), and warm from LMDB (engine and KV service restarted; the OS page cache is
+    warm, as on a live machine).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch.nn.functional as F
 
 from kvmesh.loadtest.report import pivot, row
 
-CODECS = ("fp16", "int8", "int4", "int2")
+CODECS = ("fp32", "fp16", "int8", "int4", "int2")
+TTFT_CODECS = ("auto", "int4")
 CHUNK = 256
 
 
@@ -175,6 +179,13 @@ async def _ttft(address: str, ids: list[int]) -> tuple[float, int]:
 
 
 def ttft_rows(plan: Plan) -> list[dict]:
+    rows = []
+    for name in TTFT_CODECS:
+        rows += [{"codec": name, **r} for r in _ttft_rows(plan, name)]
+    return rows
+
+
+def _ttft_rows(plan: Plan, codec_name: str) -> list[dict]:
     from kvmesh import launcher
     from kvmesh.model.loader import load_tokenizer
     from kvmesh.model.perplexity import reference_text
@@ -184,7 +195,7 @@ def ttft_rows(plan: Plan) -> list[dict]:
     kv_port, eng_port = launcher.free_port(), launcher.free_port()
     kv_args = ["--data-dir", data, "--tiers", "memory,disk", "--disk-map-bytes", str(4 << 30)]
     eng_args = ["--kvcache-address", f"127.0.0.1:{kv_port}", "--threads", str(os.cpu_count() or 1),
-                "--kv-codec", "int4", "--kv-zstd", "true"]
+                "--kv-codec", codec_name, "--kv-zstd", "true"]
     # The KV service idles while the engine computes: one torch thread for it, the cores for the engine.
     one_thread = {"OMP_NUM_THREADS": "1"}
     rows: list[dict] = []
@@ -213,7 +224,8 @@ def ttft_rows(plan: Plan) -> list[dict]:
                     if cached != expect:
                         print(f"warning: {source} {n}: {cached} cached tokens, expected {expect}", file=sys.stderr)
                     samples.setdefault((n, source), []).append(seconds)
-                    print(f"ttft {source} {n} tokens: {seconds:.3f}s ({cached} cached)", file=sys.stderr)
+                    print(f"ttft {codec_name} {source} {n} tokens: {seconds:.3f}s ({cached} cached)",
+                          file=sys.stderr)
     finally:
         for svc in (eng, kv):
             if svc is not None:
@@ -230,5 +242,7 @@ def run(quick: bool = False) -> list[dict]:
     rows = quality_rows(plan)
     print(pivot([r for r in rows], "codec"))
     trows = ttft_rows(plan)
-    print(pivot(trows, "source", baseline="cold"))
+    for name in TTFT_CODECS:
+        print(f"codec {name}:")
+        print(pivot([r for r in trows if r["codec"] == name], "source", baseline="cold"))
     return rows + trows

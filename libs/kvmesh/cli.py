@@ -50,7 +50,44 @@ def _cmd_status(args: argparse.Namespace) -> int:
         state = launcher.health(p.address) if launcher.alive(p.pid) else "EXITED"
         worst = worst or (state != "SERVING")
         print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}")
+        if p.name.startswith("engine") and state == "SERVING":
+            for line in _guardrail_lines(p.address):
+                print(line)
     return 1 if worst else 0
+
+
+def _guardrail_lines(address: str, timeout_s: float = 2.0) -> list[str]:
+    """The engine's guardrail state for `kvmesh status`, one line per lossy path; a line saying
+    why when the engine does not answer (status never fails on it)."""
+    import grpc
+
+    from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = engine_pb2_grpc.EngineServiceStub(ch).GetGuardrail(engine_pb2.GetGuardrailRequest(),
+                                                                      timeout=timeout_s)
+        except grpc.RpcError as err:
+            return [f"  guardrail  not available ({err.code().name})"]
+    return format_guardrail(resp)
+
+
+def format_guardrail(resp) -> list[str]:
+    """GetGuardrailResponse as `kvmesh status` lines."""
+    from kvmesh.engine.v1 import engine_pb2
+
+    if not resp.paths:
+        return ["  guardrail  no lossy paths used"]
+    lines = []
+    for p in resp.paths:
+        state = "enabled" if p.state == engine_pb2.GUARD_STATE_ENABLED else "DISABLED"
+        tenant = p.namespace.tenant_salt or "default tenant"
+        lines.append(f"  guardrail  {p.namespace.storage} {tenant}  {state}  {p.checks} checks  KL {p.kl:.4f}  "
+                     f"top-1 {p.top1:.1%}  (budget KL <= {p.budget.max_kl:g}, top-1 >= {p.budget.min_top1:.0%})  "
+                     f"served {p.served}  fallbacks {p.fallbacks}")
+    if resp.pending_checks:
+        lines.append(f"  guardrail  {resp.pending_checks} checks waiting for an idle engine")
+    return lines
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

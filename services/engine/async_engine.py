@@ -49,6 +49,7 @@ from typing import AsyncIterator, Callable, Optional, Union
 from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.kv.blend import BlendPrefill
 from kvmesh.kv.codec import CodecSpec
+from kvmesh.kv.quality import QualityBudget
 from kvmesh.prompt_parts import Part
 from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.ingest import IngestRequest, IngestResult, ingest_document
@@ -120,13 +121,14 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: Optional[list[int]], params: SamplingParams, request_id: str = "",
                        *, tenant_salt: str = "", kv_codec: Optional[CodecSpec] = None,
                        speculation: Optional[SpecMode] = None, parts: Optional[list[Part]] = None,
-                       recompute_ratio: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       recompute_ratio: Optional[float] = None,
+                       quality_budget: QualityBudget = QualityBudget()) -> AsyncIterator[RequestOutput]:
         """Validates and queues a request, then yields its outputs until the final one (see
         GenerateInput for the arguments). With a KV-cache service configured, the prompt's
         cached prefix or documents are fetched first, while the step loop keeps serving other
         requests; that never fails the request."""
         inp = GenerateInput(prompt_token_ids, params, request_id, tenant_salt, kv_codec, speculation, parts,
-                            recompute_ratio)
+                            recompute_ratio, quality_budget=quality_budget)
         async for out in self.submit(inp):
             yield out
 

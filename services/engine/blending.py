@@ -29,10 +29,12 @@ log = logging.getLogger(__name__)
 class BlendConfig:
     """How the engine blends cached document KV (kvmesh.kv.blend)."""
 
-    recompute_ratio: float = 0.15
-    """Share of reused document tokens recomputed, for requests that set none."""
-    select_layers: int = 2
-    """Leading layers run over every token to choose which to recompute."""
+    recompute_ratio: float = 1.0
+    """Share of reused document tokens recomputed, for requests that set none: 1 (the default)
+    computes documents in place (exact; no blending), below 1 the deployment opts every prompt
+    with documents into blending (lossy)."""
+    select_layers: int = 4
+    """Leading layers run over every token to choose which to recompute (kvmesh.kv.blend.SELECT_LAYERS)."""
     selection: str = "deviation+attention"
     """kvmesh.kv.blend.SELECTIONS: how the recomputed tokens are chosen."""
 

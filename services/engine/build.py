@@ -11,6 +11,7 @@ from kvmesh.config import ConfigError
 from kvmesh.threads import set_torch_threads
 from kvmesh.kv.codec import CodecSpec, exact_codec
 from kvmesh.kv.namespace import KvLayout, KvNamespace
+from kvmesh.kv.quality import QualityBudget
 from kvmesh.kv.rope import STORED_KEYS
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.model.native import paged_decode_kernel
@@ -19,6 +20,7 @@ from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.blending import BlendConfig
 from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.draft_client import DraftClient, DraftClientConfig
+from kvmesh.services.engine.guardrail import GuardConfig, Guardrail
 from kvmesh.services.engine.kv_connector import KvConnector, KvConnectorConfig
 from kvmesh.services.engine.runner import ModelRunner, blocks_for_budget
 from kvmesh.services.engine.scheduler import SchedulerConfig
@@ -52,7 +54,17 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
                                       cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
                       blend=BlendConfig(cfg.blend_recompute_ratio,
                                         min(cfg.blend_select_layers, max(1, loaded.config.num_layers - 1)),
-                                        cfg.blend_selection))
+                                        cfg.blend_selection),
+                      quality_budget=QualityBudget(cfg.quality_max_kl, cfg.quality_min_top1),
+                      guardrail=build_guardrail(cfg))
+
+
+def build_guardrail(cfg: EngineConfig) -> Guardrail:
+    """The online guardrail of lossy reuse paths (services/engine/guardrail.py), from the guard_* flags."""
+    return Guardrail(GuardConfig(
+        shadow_share=cfg.guard_shadow_share, replay_share=cfg.guard_replay_share, min_checks=cfg.guard_min_checks,
+        window=cfg.guard_window, fast_factor=cfg.guard_fast_factor, reenable_checks=cfg.guard_reenable_checks,
+        queue=cfg.guard_queue, max_tokens=cfg.guard_max_tokens))
 
 
 def build_draft_client(cfg: EngineConfig, loaded: LoadedModel,

@@ -13,6 +13,8 @@ transfer to and from the KV-cache service (kv_transfer.py) and blending of cache
     scheduler.commit, kv.after_step
     sampler / speculator.verify    next tokens, through `_emit` (stop checks, detokenization)
     speculator.end_step
+A step that finds no request to schedule runs one of the guardrail's pending shadow checks instead
+(services/engine/guardrail.py): checks only ever use spare capacity.
 """
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ import torch
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv.codec import CodecSpec
 from kvmesh.kv.namespace import KvNamespace
+from kvmesh.kv.quality import DEFAULT_BUDGET, QualityBudget
 from kvmesh.model.loader import LoadedModel
 from kvmesh.model.tokenizer import IncrementalDetokenizer
 from kvmesh.services.engine.block_manager import BlockManager
 from kvmesh.services.engine.blending import BlendConfig, Blender
 from kvmesh.services.engine.draft_client import DraftClient
+from kvmesh.services.engine.guardrail import Guardrail, GuardTicket, ShadowCheck
 from kvmesh.services.engine.kv_connector import KvConnector
 from kvmesh.services.engine.kv_transfer import KvTransfer
 from kvmesh.services.engine.outputs import (EngineLoad, EngineRequest, ProbeResult, RequestOutput, Timeline,
@@ -40,9 +44,11 @@ from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generato
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.services.engine.sequence import FinishReason, Sequence
-from kvmesh.services.engine.speculation import SpecUsage
+from kvmesh.services.engine.shadow import ShadowChecker
+from kvmesh.services.engine.speculation import SpecMode, SpecUsage
 from kvmesh.services.engine.speculator import SpecConfig, Speculator
 from kvmesh.services.engine.stop import StopStringMatcher, check_stop
+from kvmesh.services.engine.tracing import trace_guard_check
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +64,15 @@ class _State:
     timeline: Timeline
     storage: str
     """The request's KvNamespace.storage: how any KV it reuses was made."""
+    fallback: str = ""
+    """EngineRequest.fallback."""
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # collected chunk by chunk
+    guard: Optional[GuardTicket] = None
+    """EngineRequest.guard: the request is shadow-checked when it finishes."""
+    guard_rows: Optional[list[torch.Tensor]] = None
+    """guard.served_lossy: the raw logits [vocab] the sampler saw for each output token (capped)."""
+    trace_context: Optional[object] = None
+    """EngineRequest.trace_context: a shadow check's span joins the request's trace."""
 
 
 class EngineCore:
@@ -67,7 +81,8 @@ class EngineCore:
     def __init__(self, loaded: LoadedModel, runner: ModelRunner, sched_config: SchedulerConfig, *,
                  namespace: KvNamespace, enable_prefix_caching: bool = True,
                  kv: Optional[KvConnector] = None, drafts: Optional[DraftClient] = None,
-                 spec: SpecConfig = SpecConfig(), blend: BlendConfig = BlendConfig()) -> None:
+                 spec: SpecConfig = SpecConfig(), blend: BlendConfig = BlendConfig(),
+                 quality_budget: QualityBudget = DEFAULT_BUDGET, guardrail: Optional[Guardrail] = None) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.runner = runner
@@ -82,6 +97,15 @@ class EngineCore:
         self.kv_transfer = KvTransfer(kv, runner.read_kv) if kv is not None else None
         self.speculator = Speculator(drafts, self.scheduler, spec) if drafts is not None else None
         self.blender = Blender(loaded.model, self.scheduler, blend)
+        self.quality_budget = quality_budget
+        """The deployment's budget for lossy paths, under what requests and tenants declare."""
+        self.guardrail = guardrail
+        """Decides whether an opted-in lossy path is served, and shadow-checks a share of them."""
+        self.shadow = ShadowChecker(loaded.model, block_size=runner.block_size,
+                                    chunk_tokens=kv.config.chunk_tokens if kv is not None else None, blend=blend)
+        """Runs the guardrail's checks on this engine's model, between steps."""
+        self.last_step_checked = False
+        """Whether the last `step()` ran a shadow check instead of a batch (metrics skip it)."""
         self._states: dict[str, _State] = {}
 
     @property
@@ -134,11 +158,17 @@ class EngineCore:
         self._states[req.request_id] = _State(
             seq=seq, detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
             matcher=StopStringMatcher(req.params.stop), generator=make_generator(req.params), timeline=timeline,
-            storage=namespace.storage)
+            storage=namespace.storage, fallback=req.fallback, guard=req.guard, trace_context=req.trace_context)
+        speculation = req.speculation
+        if req.guard is not None and req.guard.served_lossy and self.guardrail is not None:
+            # One logits row per output token, as the sampler sees it: verified drafts come from
+            # other rows, so a shadow-checked request decodes plainly (same tokens when greedy).
+            self._states[req.request_id].guard_rows = []
+            speculation = SpecMode.OFF
         if self.kv_transfer is not None:
             self.kv_transfer.add(seq, req.kv_plan, req.doc_exports, req.trace_context)
         if self.speculator is not None:
-            self.speculator.add(req.request_id, req.speculation, timeline, req.trace_context)
+            self.speculator.add(req.request_id, speculation, timeline, req.trace_context)
         if req.blend is not None or req.document_ids or req.doc_exports is not None:
             self.blender.add(req.request_id, req.blend, req.document_ids, timeline)
 
@@ -184,13 +214,18 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to step, or shadow checks waiting for an idle step."""
+        return self.scheduler.has_work or (self.guardrail is not None and self.guardrail.pending > 0)
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns the outputs of every request that advanced (see the
         module docstring for the order of the hooks)."""
+        self.last_step_checked = False
+        if not self.scheduler.has_work and self.guardrail is not None and self.guardrail.pending:
+            self._run_guard_check()  # spare capacity: nothing else to compute
+            return []
         self.blender.before_schedule()
         drafts = self.speculator.propose() if self.speculator is not None else {}
         out = self.scheduler.schedule(drafts)
@@ -210,6 +245,7 @@ class EngineCore:
         outputs = []
         if result.seqs:
             states = [self._states[s.request_id] for s in result.seqs]
+            self._capture_guard_rows(states, result.logits)
             sampled = self.sampler(result.logits, [s.params for s in result.seqs],
                                    [st.generator for st in states])
             lps = sampled.logprobs
@@ -220,6 +256,54 @@ class EngineCore:
             outputs += self.speculator.verify(result.drafts, generators, self._emit)
             self.speculator.end_step(sum(len(o.token_ids) for o in outputs))
         return outputs
+
+    def _capture_guard_rows(self, states: list[_State], logits: torch.Tensor) -> None:
+        """Keeps the logits row of each shadow-checked sequence's next token (logits [N, vocab],
+        row i of states[i]), up to the guardrail's max_tokens positions."""
+        for i, st in enumerate(states):
+            rows = st.guard_rows
+            if (rows is not None and len(rows) == st.seq.num_output_tokens
+                    and len(rows) < self.guardrail.config.max_tokens):
+                rows.append(logits[i].float().clone())
+
+    def _queue_guard_check(self, state: _State) -> None:
+        """A finished shadow-checked request's check, queued for an idle step. A request served
+        lossy that reused nothing of the path (no cached KV in its lossy namespace; for a blend, no
+        document KV blended) gives none: it would measure nothing."""
+        seq, ticket = state.seq, state.guard
+        n = min(seq.num_output_tokens, self.guardrail.config.max_tokens)
+        logits = None
+        if ticket.served_lossy:
+            rows = state.guard_rows or []
+            n = min(n, len(rows))
+            docs = self.blender.usage(seq.request_id)
+            reused = (docs.blended_tokens if docs is not None else 0) if ticket.path.kind == "blend" \
+                else seq.num_cached_tokens
+            if not reused or not n:
+                return
+            logits = torch.stack(rows[:n])  # [n, vocab]
+        if n:
+            self.guardrail.submit(ShadowCheck(ticket, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids[:n]),
+                                              logits, state.trace_context))
+
+    def _run_guard_check(self) -> None:
+        """Runs the oldest pending shadow check and records its result (a failure is logged:
+        it never stops the engine)."""
+        check = self.guardrail.next_check()
+        if check is None:
+            return
+        self.last_step_checked = True
+        start, result = time.monotonic(), None
+        try:
+            result = self.shadow.run(check)
+        except Exception:  # noqa: BLE001 - a check is optional; the engine goes on
+            log.exception("guardrail shadow check of %s failed", check.ticket.path.namespace.storage)
+        end = time.monotonic()
+        if result is None:
+            self.guardrail.done(check)
+        else:
+            self.guardrail.done(check, result.tokens, result.kl, result.top1)
+        trace_guard_check(check, result, start, end)
 
     @staticmethod
     def _collect_prompt_logprobs(state: _State, chunk: PromptLogprobsChunk) -> None:
@@ -270,11 +354,15 @@ class EngineCore:
         rid = seq.request_id
         self.scheduler.finish(seq, reason)
         self._states.pop(rid, None)
+        if state.guard is not None and self.guardrail is not None and reason is not FinishReason.ABORT:
+            self._queue_guard_check(state)
         now = time.monotonic()
         out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
         out.usage = Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
                           cached_prompt_tokens=seq.num_cached_tokens, imported_prompt_tokens=seq.num_imported_tokens)
         out.reuse_storage = state.storage
+        out.reuse_fallback = state.fallback
+        out.guard = state.guard
         out.ttft_s = (state.timeline.first_token or now) - seq.arrival_time
         out.e2e_s = now - seq.arrival_time
         out.documents = self.blender.usage(rid)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvmesh.metrics import metric_name
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import EngineCore, RequestOutput
+from kvmesh.services.engine.guardrail import GuardReport
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
@@ -87,6 +88,9 @@ class EngineMetrics:
         self.blend_recomputed = counter(
             "blend_recomputed_tokens",
             "Blended tokens recomputed to restore cross-attention (recomputed_tokens).")
+        self.guard_check = histogram(
+            "guard_check_seconds",
+            "Duration of one guardrail shadow check (run in an idle step; not in step_seconds).", _LAT)
 
     def instrument(self, engine: AsyncEngine) -> CoreCollector:
         """Publishes one engine's metrics: installs the step hook, times every Propose call, and
@@ -133,6 +137,9 @@ class StepMetrics:
 
     def __call__(self, core: EngineCore, outputs: list[RequestOutput], seconds: float) -> None:
         m = self.metrics
+        if core.last_step_checked:  # an idle turn spent on a shadow check, not a batch
+            m.guard_check.observe(seconds)
+            return
         now = time.monotonic()
         m.step.observe(seconds)
         m.running.set(core.scheduler.num_running)
@@ -207,8 +214,44 @@ class CoreCollector:
                 ("spec_draft_failures", "Propose calls that failed or missed their deadline (that step "
                                         "decoded without drafts).", stats.failures),
                 ("spec_resyncs", "Sequences the draft service asked to resend whole.", stats.resyncs))
+        if core.guardrail is not None:
+            yield from _guard_metrics(core.guardrail.snapshot())
 
 
 def _counters(*rows: tuple[str, str, int]):
     for name, help_text, value in rows:
         yield CounterMetricFamily(_name(name), help_text, value=value)
+
+
+_GUARD_LABELS = ("path", "namespace")
+"""Guardrail metrics per lossy path: its storage name and the first 8 hex digits of its namespace
+digest (the model and tenant salt it is used in)."""
+
+
+def _guard_metrics(report: GuardReport):
+    """The guardrail's state per path (services/engine/guardrail.py), read at scrape time."""
+    per_path = (
+        (CounterMetricFamily, "guard_checks", "Shadow checks recorded (served lossy and replayed).",
+         lambda p: p.checks),
+        (GaugeMetricFamily, "guard_kl", "Running estimate of mean KL(exact || lossy) per answer token, nats.",
+         lambda p: p.kl),
+        (GaugeMetricFamily, "guard_top1", "Running estimate of teacher-forced top-1 agreement with exact.",
+         lambda p: p.top1),
+        (GaugeMetricFamily, "guard_enabled", "1 while the path is served, 0 while the guardrail disables it.",
+         lambda p: float(p.enabled)),
+        (CounterMetricFamily, "guard_served", "Requests served the lossy path.", lambda p: p.served),
+        (CounterMetricFamily, "guard_fallbacks", "Requests that asked for the path and were served exactly.",
+         lambda p: p.fallbacks),
+        (CounterMetricFamily, "guard_disabled", "Times the guardrail disabled the path.", lambda p: p.disabled_count),
+    )
+    for family, name, text, value in per_path:
+        metric = family(_name(name), text, labels=_GUARD_LABELS)
+        for p in report.paths:
+            metric.add_metric([p.namespace.storage, p.namespace.digest().hex()[:8]], value(p))
+        yield metric
+    yield GaugeMetricFamily(_name("guard_pending_checks"), "Shadow checks waiting for an idle engine.",
+                            value=report.pending_checks)
+    yield from _counters(
+        ("guard_dropped_checks", "Shadow checks dropped from a full queue (no idle turn came for them).",
+         report.dropped_checks),
+        ("guard_failed_checks", "Shadow checks that failed or had nothing to compare.", report.failed_checks))

@@ -4,7 +4,7 @@ component passes these, never each other's internals."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from opentelemetry.context import Context
 
@@ -15,6 +15,9 @@ from kvmesh.services.engine.sampler import TokenLogprobs
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.sequence import FinishReason
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.guardrail import GuardTicket
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class EngineRequest:
     trace_context: Optional[Context] = None
     """The request's OpenTelemetry context: the step loop's calls for it (drafts, KV stores)
     become spans of its trace."""
+    guard: Optional[GuardTicket] = None
+    """Set when the guardrail shadow-checks this request (services/engine/guardrail.py)."""
+    fallback: str = ""
+    """The lossy path the request opted into and was not served, and why (its reuse is exact)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,10 @@ class RequestOutput:
     reuse_storage: str = EXACT
     """Final output only: how the reused KV was stored (KvNamespace.storage of the request):
     "exact", a lossy codec's name, or the blend that made it."""
+    reuse_fallback: str = ""
+    """Final output only: EngineRequest.fallback (a lossy path asked for and not served, and why)."""
+    guard: Optional[GuardTicket] = None
+    """Final output only: EngineRequest.guard (the request was sampled for a shadow check)."""
     spec: Optional[SpecUsage] = None
     """Final output only: the request's speculative decoding counters."""
     documents: Optional[DocumentUsage] = None

@@ -15,9 +15,12 @@ from opentelemetry import trace
 from kvmesh.errors import InvalidArgument
 from kvmesh.kv import codec
 from kvmesh.kv.blend import BlendPrefill
+from kvmesh.kv.namespace import EXACT
+from kvmesh.kv.quality import QualityBudget
 from kvmesh.prompt_parts import Part
 from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.documents import DocumentExports, check_parts, plan_documents, resolve
+from kvmesh.services.engine.guardrail import GuardTicket, LossyPath
 from kvmesh.services.engine.kv_connector import KvPlan
 from kvmesh.services.engine.outputs import EngineRequest
 from kvmesh.services.engine.sampling import SamplingParams
@@ -42,7 +45,11 @@ class GenerateInput:
     parts: Optional[list[Part]] = None
     """Prompt parts marking documents (services/engine/documents.py), instead of token ids."""
     recompute_ratio: Optional[float] = None
-    """Blending: share of reused document tokens recomputed; None = the engine's."""
+    """Blending: share of reused document tokens recomputed (below 1 opts into blending, a lossy
+    path); None = the engine's --blend-recompute-ratio (1 by default: exact)."""
+    quality_budget: QualityBudget = QualityBudget()
+    """For a lossy path (a lossy kv_codec, recompute_ratio < 1): the quality the request accepts;
+    undeclared fields take the engine's --quality-max-kl / --quality-min-top1."""
     doc_exports: Optional[DocumentExports] = None
     """Ingest: the document alone, its chunks stored by content key only."""
 
@@ -68,12 +75,26 @@ class RequestPreparer:
             raise InvalidArgument("a request needs a prompt: token ids or parts")
 
     async def prepare(self, inp: GenerateInput, request_id: str, arrival: float) -> EngineRequest:
-        """Resolves, plans and fetches (see the module docstring); `check` must have passed."""
+        """Resolves, plans and fetches (see the module docstring); `check` must have passed.
+
+        Lossy paths are served only by contract: the request (or its tenant, or the deployment)
+        opted in, and the guardrail's estimate of the path is within the request's budget; else
+        the request falls back to exact reuse (codec) or computes its documents (blend), and
+        EngineRequest.fallback says which path and why."""
         kv = self.core.kv
-        namespace = self.core.request_namespace(inp.tenant_salt, inp.kv_codec)
+        fetch = inp.params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
+        budget = inp.quality_budget.over(self.core.quality_budget)
+        spec, namespace = inp.kv_codec, self.core.request_namespace(inp.tenant_salt, inp.kv_codec)
+        fallbacks: list[str] = []
+        guard: Optional[GuardTicket] = None
+        if kv is not None and fetch and namespace.storage != EXACT:  # a lossy codec
+            spec = spec or kv.config.codec
+            served, guard = self._admit(LossyPath(namespace, "codec", spec, None, budget), fallbacks)
+            if not served:
+                spec = dataclasses.replace(spec, name=codec.exact_codec(self.core.loaded.dtype))
+                namespace = self.core.request_namespace(inp.tenant_salt, spec)
         fetch_span = tracer("kvmesh.engine").start_span("engine.kv_fetch") if kv is not None else None
         prompt, plan, blend, doc_exports, document_ids = inp.prompt_token_ids, None, None, inp.doc_exports, ()
-        fetch = inp.params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
         try:
             if inp.parts is not None:
                 resolved = await resolve(inp.parts, kv, namespace)
@@ -82,13 +103,21 @@ class RequestPreparer:
                 if kv is not None and resolved.documents:
                     ratio = self.core.blender.config.recompute_ratio if inp.recompute_ratio is None \
                         else inp.recompute_ratio
+                    if ratio < 1.0 and fetch:
+                        blend_path = LossyPath(self.core.blender.config.namespace(namespace, ratio), "blend",
+                                               None if namespace.storage == EXACT else spec, ratio, budget)
+                        spans = tuple((d.start, d.end) for d in resolved.documents)
+                        served, ticket = self._admit(blend_path, fallbacks, spans)
+                        guard = ticket or guard
+                        if not served:
+                            ratio = 1.0
                     with trace.use_span(fetch_span, end_on_exit=False):
                         blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0,
-                                                                  self.start_probe, inp.kv_codec)
+                                                                  self.start_probe, spec)
             if kv is not None and blend is None and inp.doc_exports is None:  # blended KV is not a prefix's
                 local = self.core.cached_prefix_tokens(prompt, namespace) if fetch else 0
                 with trace.use_span(fetch_span, end_on_exit=False):
-                    plan = await kv.prepare(list(prompt), namespace, inp.kv_codec, local, fetch=fetch)
+                    plan = await kv.prepare(list(prompt), namespace, spec, local, fetch=fetch)
         finally:
             if fetch_span is not None:
                 fetch_span.set_attributes({"kvmesh.kv.fetched_tokens": _fetched(plan),
@@ -96,7 +125,19 @@ class RequestPreparer:
                 fetch_span.end()
         return EngineRequest(request_id, list(prompt), inp.params, arrival, namespace=namespace, kv_plan=plan,
                              speculation=inp.speculation, blend=blend, doc_exports=doc_exports,
-                             document_ids=document_ids, trace_context=otel_context.get_current())
+                             document_ids=document_ids, trace_context=otel_context.get_current(),
+                             guard=guard, fallback="; ".join(fallbacks))
+
+    def _admit(self, path: LossyPath, fallbacks: list[str],
+               spans: tuple[tuple[int, int], ...] = ()) -> tuple[bool, Optional[GuardTicket]]:
+        """Asks the guardrail whether `path` is served now; records the fallback reason if not."""
+        guardrail = self.core.guardrail
+        if guardrail is None:
+            return True, None
+        admission = guardrail.admit(path, spans)
+        if not admission.serve:
+            fallbacks.append(admission.fallback)
+        return admission.serve, admission.ticket
 
     def codec(self, name: str, zstd: bool) -> codec.CodecSpec:
         """The deployment's codec settings with another codec name and zstd choice (a request's

@@ -16,6 +16,7 @@ from kvmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.prompt_parts import Part, part_from_proto
 from kvmesh.kv.codec import CodecSpec
+from kvmesh.kv.quality import QualityBudget
 from kvmesh.kv.namespace_proto import dtype_to_proto, namespace_to_proto
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
@@ -64,6 +65,15 @@ _WEIGHT_FORMATS = {
 def weight_format_to_proto(name: str) -> int:
     """GetModelInfoResponse.weights of a resolved weight format (kvmesh.model.loader.WEIGHT_FORMATS)."""
     return _WEIGHT_FORMATS[name]
+
+
+def budget_from_proto(budget: common_pb2.QualityBudget) -> QualityBudget:
+    """A request's QualityBudget (0 = undeclared); InvalidArgument for a value out of range."""
+    _reject_unknown_fields(budget, "quality_budget")
+    try:
+        return QualityBudget(budget.max_kl or None, budget.min_top1 or None)
+    except ValueError as e:
+        raise InvalidArgument(f"quality_budget: {e}") from None
 
 
 def codec_from_proto(storage: engine_pb2.KvStorage) -> tuple[str, bool]:
@@ -172,9 +182,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             "gen_ai.system": "kvmesh", "gen_ai.operation.name": "generate", "gen_ai.request.model": self.info.model,
             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
             "kvmesh.request_id": request.request_id})
+        budget = budget_from_proto(request.quality_budget) if request.HasField("quality_budget") else QualityBudget()
         async for out in self.engine.generate(ids, params, request.request_id, tenant_salt=request.cache_salt,
                                               kv_codec=kv_codec, speculation=speculation,
-                                              parts=parts, recompute_ratio=ratio):
+                                              parts=parts, recompute_ratio=ratio, quality_budget=budget):
             for msg in self._to_proto(out, tokenizer):
                 yield msg
 
@@ -219,7 +230,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                    cached_prompt_tokens=u.cached_prompt_tokens),
             stop_reason=out.stop_reason, ttft_s=out.ttft_s, e2e_s=out.e2e_s,
-            reuse=engine_pb2.KvReuse(storage=out.reuse_storage, kv_service_tokens=u.imported_prompt_tokens))
+            reuse=engine_pb2.KvReuse(storage=out.reuse_storage, kv_service_tokens=u.imported_prompt_tokens,
+                                     fallback=out.reuse_fallback))
         if out.documents is not None:
             final.blended_tokens = out.documents.blended_tokens
             final.recomputed_tokens = out.documents.recomputed_tokens
@@ -247,6 +259,22 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:
         return self.info
+
+    async def GetGuardrail(self, request: engine_pb2.GetGuardrailRequest,
+                           context: grpc.aio.ServicerContext) -> engine_pb2.GetGuardrailResponse:
+        guardrail = self.engine.core.guardrail
+        if guardrail is None:
+            return engine_pb2.GetGuardrailResponse()
+        report = guardrail.snapshot()
+        out = engine_pb2.GetGuardrailResponse(shadow_share=report.shadow_share, pending_checks=report.pending_checks)
+        for p in report.paths:
+            out.paths.add(
+                namespace=namespace_to_proto(p.namespace),
+                state=engine_pb2.GUARD_STATE_ENABLED if p.enabled else engine_pb2.GUARD_STATE_DISABLED,
+                checks=p.checks, kl=p.kl, top1=p.top1,
+                budget=common_pb2.QualityBudget(max_kl=p.budget.max_kl or 0.0, min_top1=p.budget.min_top1 or 0.0),
+                served=p.served, fallbacks=p.fallbacks, disabled_count=p.disabled_count)
+        return out
 
 
 def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoResponse:

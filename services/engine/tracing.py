@@ -1,14 +1,21 @@
 """The engine's request timeline as spans, written when the request finishes (the step loop
 records instants; spans are made here, on the serving call's side, so the step loop never
-touches the tracer)."""
+touches the tracer). The one exception: a guardrail shadow check, which runs on the step loop
+long after its request ended, writes its own span there (`trace_guard_check`; rare by design)."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Optional
 
 from opentelemetry import trace
 
+from kvmesh.kv.namespace import EXACT
 from kvmesh.services.engine.outputs import RequestOutput
 from kvmesh.telemetry import tracer
+
+if TYPE_CHECKING:
+    from kvmesh.kv.quality import Comparison
+    from kvmesh.services.engine.guardrail import ShadowCheck
 
 
 def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
@@ -31,6 +38,7 @@ def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
         attrs.update({"kvmesh.blend.blended_tokens": out.documents.blended_tokens,
                       "kvmesh.blend.recomputed_tokens": out.documents.recomputed_tokens,
                       "kvmesh.documents": list(out.documents.document_ids)})
+    attrs.update(guard_attributes(out))
     server.set_attributes(attrs)
     if t is None or not server.get_span_context().is_valid:
         return
@@ -62,3 +70,35 @@ def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
             decode.add_event("spec_verify", {"kvmesh.spec.draft_tokens": drafted,
                                              "kvmesh.spec.accepted_tokens": accepted}, timestamp=ns(instant))
         decode.end(end_time=ns(t.finished))
+
+
+def guard_attributes(out: RequestOutput) -> dict:
+    """The guardrail's part of a request's span: kvmesh.guard.path (the lossy path's storage),
+    kvmesh.guard.state ("served": over lossy KV; "fallback": asked for and served exactly),
+    kvmesh.guard.shadow (sampled for a shadow check) and kvmesh.guard.fallback (why not served).
+    Nothing for a request that asked for no lossy path."""
+    ticket = out.guard
+    if out.reuse_fallback:
+        # Admission.fallback reads "<storage>: <reason>" (several joined by "; ").
+        path = ticket.path.namespace.storage if ticket is not None else out.reuse_fallback.split(": ", 1)[0]
+        return {"kvmesh.guard.path": path, "kvmesh.guard.state": "fallback", "kvmesh.guard.shadow": ticket is not None,
+                "kvmesh.guard.fallback": out.reuse_fallback}
+    if out.reuse_storage != EXACT or ticket is not None:
+        path = ticket.path.namespace.storage if ticket is not None else out.reuse_storage
+        return {"kvmesh.guard.path": path, "kvmesh.guard.state": "served", "kvmesh.guard.shadow": ticket is not None}
+    return {}
+
+
+def trace_guard_check(check: ShadowCheck, result: Optional[Comparison], start: float, end: float) -> None:
+    """One shadow check as an `engine.guard_check` span in its request's trace (time.monotonic()
+    instants); kl/top1/tokens when it compared anything."""
+    offset = time.time_ns() - time.monotonic_ns()
+    path = check.ticket.path
+    attrs = {"kvmesh.guard.path": path.namespace.storage, "kvmesh.guard.kind": path.kind,
+             "kvmesh.guard.replay": not check.ticket.served_lossy}
+    if result is not None:
+        attrs.update({"kvmesh.guard.kl": result.kl, "kvmesh.guard.top1": result.top1,
+                      "kvmesh.guard.tokens": result.tokens})
+    span = tracer("kvmesh.engine").start_span("engine.guard_check", context=check.trace_context,
+                                              start_time=int(start * 1e9) + offset, attributes=attrs)
+    span.end(end_time=int(end * 1e9) + offset)

@@ -1,5 +1,6 @@
 """A cache hit must not change the answer: with the default configuration, 50 prompts (RAG, chat,
-code) x 64 greedy tokens on the real model give identical tokens served cold, warm from the
+code) x 64 tokens on the real model (half greedy, half sampled at temperature 0.8 with a seed)
+give identical tokens served cold, warm from the
 engine's own prefix cache, warm through the KV service on a second replica, and warm from LMDB
 after the KV service restarted. Fails if the default codec becomes lossy (or KV is stored in any
 way that does not give back exactly what the engine computed)."""
@@ -19,6 +20,7 @@ from kvmesh.kv.namespace import EXACT
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.build import build_core
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.kvcache.config import KvcacheConfig
 
 pytestmark = pytest.mark.slow
@@ -89,18 +91,25 @@ def engine(loaded, address: str | None, **overrides) -> AsyncEngine:
     return AsyncEngine(lambda: core)
 
 
+def params(i: int) -> SamplingParams:
+    """Prompt i's sampling: greedy for even i, seeded sampling for odd i (the same seed in every run)."""
+    if i % 2 == 0:
+        return greedy(TOKENS, ignore_eos=True)
+    return SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=1000 + i, ignore_eos=True)
+
+
 async def serve_all(eng: AsyncEngine, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
     """Every prompt at once (continuous batching); (tokens per prompt, prompt tokens reused).
     Every final output reports the reuse as exact."""
-    async def one(ids):
+    async def one(i, ids):
         tokens, final = [], None
-        async for out in eng.generate(ids, greedy(TOKENS, ignore_eos=True)):
+        async for out in eng.generate(ids, params(i)):
             tokens += out.token_ids
             final = out if out.finished else final
         assert final.reuse_storage == EXACT
         return tokens, final.usage.cached_prompt_tokens
 
-    results = await asyncio.gather(*(one(p) for p in prompts))
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     return [t for t, _ in results], sum(c for _, c in results)
 
 

@@ -154,8 +154,8 @@ def test_client_disconnect_frees_the_engine_slot_promptly(stack, client):
 def test_documents_catalogued_cited_retrieved_and_blended(stack, client, tmp_path, capsys):
     """The catalog from the command line (ingest through the engine, list/search/rm in the KV
     service), then chat requests that cite a document by id, retrieve by question, or carry
-    documents inline: their KV is blended in, and the response says which documents and how
-    many tokens were reused."""
+    documents inline: computed in place by default, blended in when the request opts in, and the
+    response says which documents and how many tokens were reused."""
     from kvmesh import cli
 
     where = ["--engine", stack["engine"].address, "--kvcache", stack["kvcache"].address]
@@ -183,13 +183,20 @@ def test_documents_catalogued_cited_retrieved_and_blended(stack, client, tmp_pat
     assert found.model_extra["kvmesh"]["document_ids"] == ["volcano"]
 
     inline = [{"text": docs["bread"]}, {"text": "A short note about rivers and the sea. " * 8}]
+    blend = {"lossy": {"recompute_ratio": 0.15, "max_kl": 0.5}}  # the kvmesh extension's opt-in
     first = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
-                                           extra_body={"documents": inline})
+                                           extra_body={"documents": inline, "kvmesh": blend})
     assert first.model_extra["kvmesh"]["blended_tokens"] > 0  # "bread" was ingested: found by content
+    assert first.model_extra["kvmesh"]["reuse"]["storage"].startswith("blend:")
+    assert not first.model_extra["kvmesh"]["reuse"]["exact"]
     swapped = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
-                                             extra_body={"documents": inline[::-1]})
+                                             extra_body={"documents": inline[::-1], "kvmesh": blend})
     both = swapped.model_extra["kvmesh"]["blended_tokens"]
     assert both > first.model_extra["kvmesh"]["blended_tokens"]  # the rivers note was stored by the first
+    exact = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
+                                           extra_body={"documents": inline[::-1]})
+    report = exact.model_extra["kvmesh"]  # no opt-in: both documents are cached, and computed in place
+    assert report["blended_tokens"] == 0 and report.get("reuse", {"exact": True})["exact"]
 
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,

@@ -146,11 +146,21 @@ async def test_catalog_ingest_cite_and_retrieve(bundled_model, kv, texts):
     assert again.reused_chunks == again.chunks  # every chunk already stored: nothing computed again
 
     head, q = tuple(texts["head1"]), tuple(tok.encode("\nSummarize."))
-    _, cited = await run(eng, parts=[Tokens(head), CatalogDocument("python"), Tokens(q)])
+    parts = [Tokens(head), CatalogDocument("python"), Tokens(q)]
+    exact_tokens, exact = await run(eng, parts=parts)  # no opt-in: the document is computed in place
+    assert exact.documents.document_ids == ("python",)
+    assert exact.documents.blended_tokens == 0 and not exact.reuse_storage.startswith("blend")
+    plain = engine(bundled_model, None)
+    plain_tokens, _ = await run(plain, list(head) + tok.encode(docs["python"]) + list(q))
+    await close(plain)
+    assert exact_tokens == plain_tokens
+    _, cited = await run(eng, parts=parts, ratio=0.15)  # blending opted into
     assert cited.documents.document_ids == ("python",)
     assert cited.documents.blended_tokens == len(texts["a"])
+    assert cited.reuse_storage.startswith("blend:") and ":0.1500:" in cited.reuse_storage
 
-    _, found = await run(eng, parts=[Tokens(head), Retrieval("where do rivers carry water", 1), Tokens(q)])
+    _, found = await run(eng, parts=[Tokens(head), Retrieval("where do rivers carry water", 1), Tokens(q)],
+                         ratio=0.15)
     assert found.documents.document_ids == ("rivers",)
     assert found.documents.blended_tokens == len(tok.encode(docs["rivers"]))
 

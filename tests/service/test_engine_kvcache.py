@@ -187,3 +187,30 @@ async def test_only_chunks_past_the_local_prefix_are_fetched(bundled_model, kv_a
     assert final.usage.cached_prompt_tokens == 96 and tokens == cold_tokens
     assert final.usage.imported_prompt_tokens == 64 and final.reuse_storage == "fp16"  # 32 local, 64 fetched
     await close(second)
+
+
+async def test_a_tenant_sharing_a_namespace_never_gets_lossy_kv_it_did_not_opt_into(bundled_model, kv_address,
+                                                                                     prompt):
+    salt = "ns:shared"
+    alone = engine(bundled_model, kv_address, kvcache_address=None)
+    baseline, _ = await run(alone, prompt)
+    alone.shutdown()
+    writer = engine(bundled_model, kv_address)  # the deployment default: exact
+    int8 = writer.kv_codec("int8", True)
+    async for out in writer.generate(prompt, greedy(2), tenant_salt=salt, kv_codec=int8):  # opted in
+        pass
+    assert await flushed(writer) and writer.core.kv.stats.exported_chunks == 3
+    await close(writer)
+
+    plain = engine(bundled_model, kv_address)  # a fresh replica: nothing in its own prefix cache
+    tokens, final = await run(plain, prompt, salt=salt)
+    assert final.usage.imported_prompt_tokens == 0 and final.reuse_storage == "exact"
+    assert tokens == baseline
+    await close(plain)
+
+    opted = engine(bundled_model, kv_address)
+    final = None
+    async for out in opted.generate(prompt, greedy(2, ignore_eos=True), tenant_salt=salt, kv_codec=int8):
+        final = out
+    assert final.usage.imported_prompt_tokens == 3 * CHUNK and final.reuse_storage.startswith("int8")
+    await close(opted)

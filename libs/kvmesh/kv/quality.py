@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,12 @@ class QualityBudget:
         def pick(a, b, f):
             return b if a is None else a if b is None else f(a, b)
         return QualityBudget(pick(self.max_kl, other.max_kl, min), pick(self.min_top1, other.min_top1, max))
+
+    def looser(self, other: QualityBudget) -> QualityBudget:
+        """The budget that either satisfies (larger KL bound, smaller top-1 bound)."""
+        def pick(a, b, f):
+            return b if a is None else a if b is None else f(a, b)
+        return QualityBudget(pick(self.max_kl, other.max_kl, max), pick(self.min_top1, other.min_top1, min))
 
     def holds(self, kl: float, top1: float) -> bool:
         """Whether measured (kl, top1) are within the budget (an undeclared bound always holds)."""
@@ -168,3 +174,17 @@ def compare(exact_logits: torch.Tensor, lossy_logits: torch.Tensor, answer: Opti
     nll_p = -p.gather(1, ids[:, None]).mean()
     nll_q = -q.gather(1, ids[:, None]).mean()
     return Comparison(int(p.shape[0]), float(kl.mean()), float(top1.mean()), float(nll_p), float(nll_q))
+
+
+def first_divergence(answer: Sequence[int], predicted: Sequence[int]) -> int:
+    """Position of the first token where `predicted` differs from `answer` (the exact answer);
+    len(answer) when it reproduces all of it (a shorter `predicted` diverges where it ends).
+
+    With `predicted` the argmax of a lossy path's teacher-forced logits along `answer`, this is
+    where the path's own greedy answer first leaves the exact one: up to that position both
+    decode the same tokens, so the lossy path sees exactly the prefix it was teacher-forced
+    with, and its greedy choice there is that row's argmax."""
+    for i, token in enumerate(answer):
+        if i >= len(predicted) or int(predicted[i]) != int(token):
+            return i
+    return len(answer)
