@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "cascade": "kvmesh.loadtest.cascade_bench",
     "spec": "kvmesh.loadtest.spec_bench",
     "blend": "kvmesh.loadtest.blend_bench",
+    "quality": "kvmesh.loadtest.quality_bench",
 }
 
 
