@@ -33,8 +33,8 @@ class BlendConfig:
     """Share of reused document tokens recomputed, for requests that set none: 1 (the default)
     computes documents in place (exact; no blending), below 1 the deployment opts every prompt
     with documents into blending (lossy)."""
-    select_layers: int = 4
-    """Leading layers run over every token to choose which to recompute (kvmesh.kv.blend.SELECT_LAYERS)."""
+    select_layers: int = 2
+    """Leading layers run over every token to choose which to recompute."""
     selection: str = "deviation+attention"
     """kvmesh.kv.blend.SELECTIONS: how the recomputed tokens are chosen."""
 

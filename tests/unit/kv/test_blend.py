@@ -226,3 +226,31 @@ def test_attention_aware_selection_keeps_the_deviation_signal_and_weighs_what_th
         assert len(full.recomputed) == sum(len(x.token_ids) for x in segments)
     with pytest.raises(ValueError, match="selection must be one of"):
         blend_prefill(model, segments, 0.2, selection="random")
+
+
+def test_sinks_selection_takes_every_cached_segment_start_first(model):
+    """"sinks+deviation+attention": each cached segment's first SINK_TOKENS tokens are recomputed
+    before any other (inside the ratio's budget); the ends stay exact (0 = reuse, 1 = full)."""
+    from kvmesh.kv.blend import SINK_TOKENS
+
+    segments = _prompt(model)
+    starts, start = [], 0
+    for seg in segments:
+        if seg.is_cached:
+            starts.append(start)
+        start += len(seg.token_ids)
+    sinks = {s + i for s in starts for i in range(SINK_TOKENS)}
+    res = blend_prefill(model, segments, recompute_ratio=0.2, select_layers=1, selection="sinks+deviation+attention")
+    picked = {p for p in res.recomputed.tolist() if not torch.isnan(res.deviation[p])}
+    assert len(picked) == round(0.2 * 72) and sinks <= picked
+    # a budget smaller than the sinks: only sinks
+    res = blend_prefill(model, segments, recompute_ratio=0.1, select_layers=1, selection="sinks+deviation+attention")
+    picked = {p for p in res.recomputed.tolist() if not torch.isnan(res.deviation[p])}
+    assert len(picked) == round(0.1 * 72) and picked <= sinks
+    reuse = blend_prefill(model, segments, recompute_ratio=0.0, select_layers=1)
+    sinks0 = blend_prefill(model, segments, recompute_ratio=0.0, select_layers=1, selection="sinks+deviation+attention")
+    assert torch.equal(sinks0.recomputed, reuse.recomputed) and torch.equal(sinks0.k, reuse.k)
+    k, v, logits = _full(model, segments)
+    full = blend_prefill(model, segments, recompute_ratio=1.0, selection="sinks+deviation+attention")
+    torch.testing.assert_close(full.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full.logits, logits, atol=1e-5, rtol=0)
