@@ -5,7 +5,7 @@ Prompts: ``kvmesh.loadtest.quality_workloads`` (RAG over shuffled passages, mult
 long-document QA with generated questions; 156 prompts, dev and test split by source). The
 test split is measured unless ``KVMESH_BENCH_SPLIT`` says ``dev`` or ``both`` (the dev split is
 for tuning; what is reported is the test split). Full: every prompt of the split, exact answers
-of up to 64 tokens, blend ratios 0, 0.05, 0.1, 0.15, 0.25, 0.5; quick: 4 prompts per workload
+of up to 64 tokens, blend ratios 0, 0.1, 0.15, 0.25, 0.3, 0.4, 0.5; quick: 4 prompts per workload
 (spread evenly over the split), 32 tokens, ratios 0, 0.15, 0.25. With a JSON path, the
 per-prompt scores are written beside it (``<name>.prompts.json``).
 
@@ -59,13 +59,11 @@ ratios).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -73,6 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from kvmesh.kv.quality import first_divergence
+from kvmesh.loadtest.quality_ttft import measure_ttft
 from kvmesh.loadtest.quality_workloads import SPLITS, WORKLOADS, QualityPrompt, build_prompts
 from kvmesh.loadtest.report import row
 
@@ -86,11 +85,7 @@ CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 WEIGHTS = ("int8", "int4", "int4-w8a8")
 SPLIT_ENV = "KVMESH_BENCH_SPLIT"
 TTFT_TOKENS = 2500
-WARM_RATIO = 0.33
-"""The untimed pass's ratio: one no timed pass uses, so no timed prompt meets its own blended
-blocks in the engine's prefix cache."""
 DOC_KV_BYTES = 2 << 30
-SALT = "quality"
 METRICS = ("exact_match", "first_divergence", "top1", "kl", "ppl_delta_pct", "ttft_s", "ttft_speedup")
 
 
@@ -99,7 +94,7 @@ class Plan:
     per_workload: int = 0
     """Prompts per (split, workload), spread evenly over it; 0 = all."""
     answer_tokens: int = 64
-    ratios: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.25, 0.5)
+    ratios: tuple[float, ...] = (0.0, 0.1, 0.15, 0.25, 0.3, 0.4, 0.5)
     ttft_prompts: int = 8
 
 
@@ -475,110 +470,6 @@ def measure(loaded: LoadedModel, prompts: list[QualityPrompt], plan: Plan) -> li
     return scores
 
 
-# ---- through engines: TTFT --------------------------------------------------------------------
-
-def _parts(p: QualityPrompt):
-    from kvmesh.common.v1.common_pb2 import TokenIds
-    from kvmesh.engine.v1 import engine_pb2 as pb
-
-    return pb.Prompt(parts=[pb.PromptPart(document=TokenIds(ids=ids)) if is_doc else
-                            pb.PromptPart(tokens=TokenIds(ids=ids)) for ids, is_doc in p.segments])
-
-
-async def _first_token(stub, *, salt: str, ids=None, parts=None, ratio=None) -> tuple[float, int]:
-    """(seconds to the first token, prompt tokens whose KV came from blended documents)."""
-    from kvmesh.engine.v1 import engine_pb2 as pb
-
-    req = pb.GenerateRequest(cache_salt=salt, speculation=pb.SPECULATION_OFF,
-                             sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    if ids is not None:
-        req.token_ids.ids.extend(ids)
-    else:
-        req.parts.CopyFrom(parts)
-    if ratio is not None:
-        req.blend.recompute_ratio = ratio
-    t0 = time.perf_counter()
-    first, blended = None, 0
-    async for msg in stub.Generate(req, timeout=600):
-        if first is None and msg.delta.token_ids:
-            first = time.perf_counter() - t0
-        if msg.HasField("final"):
-            blended = msg.final.blended_tokens
-    return first, blended
-
-
-async def _full_ttft(address: str, prompts: list[QualityPrompt], warm: list[int]) -> list[float]:
-    import grpc
-
-    from kvmesh.engine.v1 import engine_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = engine_pb2_grpc.EngineServiceStub(ch)
-        await _first_token(stub, salt="warm", ids=warm)
-        return [(await _first_token(stub, salt=SALT, ids=p.token_ids))[0] for p in prompts]
-
-
-async def _blend_ttft(address: str, prompts: list[QualityPrompt], ratios, warm: list[int]) -> dict[float, list[float]]:
-    import grpc
-
-    from kvmesh.common.v1.common_pb2 import TokenIds
-    from kvmesh.engine.v1 import engine_pb2 as pb
-    from kvmesh.engine.v1 import engine_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = engine_pb2_grpc.EngineServiceStub(ch)
-        await _first_token(stub, salt="warm", ids=warm)
-        docs = dict(d for p in prompts for d in p.document_segments())
-        t0 = time.perf_counter()
-        for doc_id, ids in docs.items():
-            await stub.IngestDocument(pb.IngestDocumentRequest(document_id=doc_id, token_ids=TokenIds(ids=ids),
-                                                               cache_salt=SALT), timeout=600)
-        print(f"ingested {len(docs)} documents in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        for p in prompts:
-            await _first_token(stub, salt=SALT, parts=_parts(p), ratio=WARM_RATIO)
-        out: dict[float, list[float]] = {}
-        for ratio in ratios:
-            for p in prompts:
-                seconds, blended = await _first_token(stub, salt=SALT, parts=_parts(p), ratio=ratio)
-                if not blended:  # a fallback to computing the documents would time the wrong path
-                    raise RuntimeError(f"{p.id} at recompute_ratio {ratio} was not blended; see the engine's log")
-                out.setdefault(ratio, []).append(seconds)
-        return out
-
-
-def measure_ttft(prompts: list[QualityPrompt], ratios, warm: list[int]) -> list[dict]:
-    """Full prefill and blending TTFT through engine processes (see the module docstring)."""
-    from kvmesh import launcher
-
-    threads = str(os.cpu_count() or 1)
-    print(f"TTFT: {len(prompts)} prompts of {min(len(p.token_ids) for p in prompts)}-"
-          f"{max(len(p.token_ids) for p in prompts)} tokens", file=sys.stderr)
-    engine = launcher.start_service("bench-engine", "kvmesh.services.engine", ["--threads", threads],
-                                    launcher.free_port())
-    try:
-        full = asyncio.run(_full_ttft(engine.address, prompts, warm))
-    finally:
-        launcher.stop_service(engine)
-    procs = []
-    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-quality-") as tmp:
-        try:
-            kv = launcher.start_service("bench-kvcache", "kvmesh.services.kvcache", ["--data-dir", tmp],
-                                        launcher.free_port(), env={"OMP_NUM_THREADS": "1"})
-            procs.append(kv)
-            # No guardrail shadow checks: they run when the engine idles (between these requests)
-            # and could switch blending off mid-measurement.
-            procs.append(launcher.start_service("bench-engine", "kvmesh.services.engine",
-                                                ["--threads", threads, "--kvcache-address", kv.address,
-                                                 "--guard-shadow-share", "0"], launcher.free_port()))
-            blends = asyncio.run(_blend_ttft(procs[-1].address, prompts, ratios, warm))
-        finally:
-            for p in reversed(procs):
-                launcher.stop_service(p)
-    for ratio, secs in blends.items():
-        print(f"TTFT blend={ratio:g}: " + " ".join(f"{b:.2f}/{f:.2f}s" for b, f in zip(secs, full)), file=sys.stderr)
-    return ttft_rows(full, blends)
-
-
 def run(quick: bool = False, json_path: Optional[str] = None) -> list[dict]:
     from kvmesh.model.loader import load_model
 
@@ -596,7 +487,7 @@ def run(quick: bool = False, json_path: Optional[str] = None) -> list[dict]:
     if "test" in splits:
         t0 = time.perf_counter()
         warm = loaded.tokenizer.encode("<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n")
-        rows += measure_ttft(ttft_prompts(prompts, plan.ttft_prompts), plan.ratios, warm)
+        rows += ttft_rows(*measure_ttft(ttft_prompts(prompts, plan.ttft_prompts), plan.ratios, warm))
         print(f"TTFT section: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     scores = measure(loaded, chosen, plan)
     rows += answer_rows(scores) + quality_rows(scores)
