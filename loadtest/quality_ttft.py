@@ -55,7 +55,10 @@ async def _full_ttft(address: str, prompts: list[QualityPrompt], warm: list[int]
     async with grpc.aio.insecure_channel(address) as ch:
         stub = engine_pb2_grpc.EngineServiceStub(ch)
         await _first_token(stub, salt="warm", ids=warm)
-        return [(await _first_token(stub, salt=SALT, ids=p.token_ids))[0] for p in prompts]
+        # A salt per prompt: prompts that share a long prefix (one document, two questions) must
+        # not hit each other's blocks in the engine's prefix cache -- this is full prefill.
+        return [(await _first_token(stub, salt=f"{SALT}-full-{i}", ids=p.token_ids))[0]
+                for i, p in enumerate(prompts)]
 
 
 async def _blend_ttft(address: str, prompts: list[QualityPrompt], ratios, warm: list[int]) -> dict[float, list[float]]:
