@@ -150,7 +150,8 @@ def _parts(p: RagPrompt, ids: dict[str, list[int]], sep: list[int]):
     return pb.Prompt(parts=parts)
 
 
-async def _generate(stub, *, salt: str, ids=None, parts=None, ratio=None, max_tokens=OUTPUT_TOKENS):
+async def generate(stub, *, salt: str, ids=None, parts=None, ratio=None, max_tokens=OUTPUT_TOKENS):
+    """One greedy request to an engine stub: (seconds to the first token, tokens, Final)."""
     from kvmesh.engine.v1 import engine_pb2 as pb
 
     req = pb.GenerateRequest(cache_salt=salt, speculation=pb.SPECULATION_OFF,
@@ -187,16 +188,16 @@ async def _service_rows(address: str, kv_address: str, prompts, ids, sep, catalo
     rows, outputs = [], {}
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         stub = engine_pb2_grpc.EngineServiceStub(ch)
-        await _generate(stub, salt="warm", ids=prompts[0].ids(ids, sep), max_tokens=2)  # first-call costs
+        await generate(stub, salt="warm", ids=prompts[0].ids(ids, sep), max_tokens=2)  # first-call costs
         # full: cold, nothing reused
-        res = [await _generate(stub, salt="full", ids=p.ids(ids, sep)) for p in prompts]
+        res = [await generate(stub, salt="full", ids=p.ids(ids, sep)) for p in prompts]
         outputs["full"] = [r[1] for r in res]
         rows.append(row("ttft_s", statistics.fmean(r[0] for r in res), "s", mode="full", recompute_ratio=1.0))
         # prefix: the same documents seen before in their sorted order
         for p in prompts:
             seen = RagPrompt(p.target, tuple(sorted(p.docs)), p.head, p.tail, p.answer)
-            await _generate(stub, salt="prefix", ids=seen.ids(ids, sep), max_tokens=1)
-        res = [await _generate(stub, salt="prefix", ids=p.ids(ids, sep)) for p in prompts]
+            await generate(stub, salt="prefix", ids=seen.ids(ids, sep), max_tokens=1)
+        res = [await generate(stub, salt="prefix", ids=p.ids(ids, sep)) for p in prompts]
         outputs["prefix"] = [r[1] for r in res]
         reused = statistics.fmean(r[2].usage.cached_prompt_tokens / r[2].usage.prompt_tokens for r in res)
         rows += [row("ttft_s", statistics.fmean(r[0] for r in res), "s", mode="prefix"),
@@ -206,7 +207,7 @@ async def _service_rows(address: str, kv_address: str, prompts, ids, sep, catalo
             await stub.IngestDocument(pb.IngestDocumentRequest(document_id=name, token_ids=TokenIds(ids=ids[name]),
                                                                cache_salt="blend"), timeout=600)
         for ratio in RATIOS:
-            res = [await _generate(stub, salt="blend", parts=_parts(p, ids, sep), ratio=ratio) for p in prompts]
+            res = [await generate(stub, salt="blend", parts=_parts(p, ids, sep), ratio=ratio) for p in prompts]
             outputs[ratio] = [r[1] for r in res]
             reused = statistics.fmean(r[2].blended_tokens / r[2].usage.prompt_tokens for r in res)
             rows += [row("ttft_s", statistics.fmean(r[0] for r in res), "s", mode="blend", recompute_ratio=ratio),
@@ -232,7 +233,7 @@ async def _service_rows(address: str, kv_address: str, prompts, ids, sep, catalo
                                          pb.PromptPart(retrieve=pb.Retrieve(query=QUESTIONS[p.target], k=RETRIEVE_K,
                                                                             separator=TokenIds(ids=sep))),
                                          pb.PromptPart(tokens=TokenIds(ids=p.tail))])
-                first, _, final = await _generate(stub, salt="rag", parts=parts, ratio=ratio)
+                first, _, final = await generate(stub, salt="rag", parts=parts, ratio=ratio)
                 ttfts.append(first)
             rows.append(row("ttft_s", statistics.fmean(ttfts), "s", mode=mode, k=RETRIEVE_K))
     return rows, hits
@@ -247,8 +248,8 @@ async def _fetch_rows(address: str, prompts, ids, sep) -> list[dict]:
 
     async with grpc.aio.insecure_channel(address) as ch:
         stub = engine_pb2_grpc.EngineServiceStub(ch)
-        await _generate(stub, salt="warm", ids=prompts[0].ids(ids, sep), max_tokens=2)
-        res = [await _generate(stub, salt="blend", parts=_parts(p, ids, sep), ratio=0.15) for p in prompts]
+        await generate(stub, salt="warm", ids=prompts[0].ids(ids, sep), max_tokens=2)
+        res = [await generate(stub, salt="blend", parts=_parts(p, ids, sep), ratio=0.15) for p in prompts]
     return [row("ttft_s", statistics.fmean(r[0] for r in res), "s", mode="blend", recompute_ratio=0.15,
                 hot_lru=False)]
 

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 
+from kvmesh.loadtest.blend_bench import generate
 from kvmesh.loadtest.quality_workloads import QualityPrompt
 
 WARM_RATIO = 0.33
@@ -27,24 +28,8 @@ def _parts(p: QualityPrompt):
 
 async def _first_token(stub, *, salt: str, ids=None, parts=None, ratio=None) -> tuple[float, int]:
     """(seconds to the first token, prompt tokens whose KV came from blended documents)."""
-    from kvmesh.engine.v1 import engine_pb2 as pb
-
-    req = pb.GenerateRequest(cache_salt=salt, speculation=pb.SPECULATION_OFF,
-                             sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    if ids is not None:
-        req.token_ids.ids.extend(ids)
-    else:
-        req.parts.CopyFrom(parts)
-    if ratio is not None:
-        req.blend.recompute_ratio = ratio
-    t0 = time.perf_counter()
-    first, blended = None, 0
-    async for msg in stub.Generate(req, timeout=600):
-        if first is None and msg.delta.token_ids:
-            first = time.perf_counter() - t0
-        if msg.HasField("final"):
-            blended = msg.final.blended_tokens
-    return first, blended
+    first, _, final = await generate(stub, salt=salt, ids=ids, parts=parts, ratio=ratio, max_tokens=1)
+    return first, final.blended_tokens
 
 
 async def _full_ttft(address: str, prompts: list[QualityPrompt], warm: list[int]) -> list[float]:
