@@ -1,5 +1,7 @@
 """`kvmesh bench blend`: reusing documents' KV in any order (blending) against full prefill and
-prefix-only reuse, and retrieval from the document catalog, on the bundled SmolLM2-135M.
+prefix-only reuse, and retrieval from the document catalog, on the bundled SmolLM2-135M (or the
+model of `--model PATH`: its chat template frames the prompts; a model whose sliding window is
+narrower than the prompts is refused, as the engine would not blend them).
 
 Workload (real text): documents are sections of ``pydoc_data.topics`` (the 16 of 300-600
 tokens; the catalog for retrieval holds every section, cut to its first ~2,400 characters).
@@ -116,18 +118,19 @@ def _catalog(limit: int) -> dict[str, str]:
     return {n: out[n] for n in keep[:limit or len(keep)]}
 
 
-def _prompts(tok, ids: dict[str, list[int]], n: int) -> list[RagPrompt]:
+def _prompts(tok, ids: dict[str, list[int]], n: int, source: str = "bundled") -> list[RagPrompt]:
+    from kvmesh.loadtest.models import chat_frame
+
     rng = random.Random(7)
     names = list(QUESTIONS)
-    head = tok.encode("<|im_start|>user\nAnswer from these passages of the Python reference.\n\n")
     out = []
     for i in range(n):
         target = names[i % len(names)]
         others = rng.sample([x for x in names if x != target], rng.randint(3, 5))
         docs = others + [target]
         rng.shuffle(docs)
-        tail = tok.encode(f"\n\nQuestion: {QUESTIONS[target]}\nQuote the passage that answers it."
-                          "<|im_end|>\n<|im_start|>assistant\n")
+        head, tail = chat_frame(tok, source, "Answer from these passages of the Python reference.\n\n",
+                                f"\n\nQuestion: {QUESTIONS[target]}\nQuote the passage that answers it.")
         body = ids[target]
         title_end = next((j for j in range(len(body)) if tok.decode(body[:j]).count("\n") >= 3), 0)
         out.append(RagPrompt(target, tuple(docs), tuple(head), tuple(tail),
@@ -270,14 +273,15 @@ async def _search(kv_address: str, namespace, query: str, k: int) -> list[str]:
 
 # ---- quality, in this process ----------------------------------------------------------------
 
-def _quality_rows(loaded, prompts, ids, sep) -> list[dict]:
+def _quality_rows(loaded, prompts, ids, sep, select_layers: int) -> list[dict]:
+    """`select_layers`: the engine's default fitted to the model (BenchModel.select_layers)."""
     from kvmesh.kv.blend import SELECTIONS, Segment, blend_prefill, continuation_logprobs, segment_kv
 
     model = loaded.model
     doc_kv = {name: segment_kv(model, ids[name]) for name in QUESTIONS}
     ppl: dict[tuple, list[float]] = {}
     for p in prompts:
-        full = blend_prefill(model, [Segment.new(p.ids(ids, sep))], recompute_ratio=1.0)
+        full = blend_prefill(model, [Segment.new(p.ids(ids, sep))], recompute_ratio=1.0, select_layers=select_layers)
         base = _ppl(continuation_logprobs(model, full.k, full.v, full.logits, p.answer))
         segments = [Segment.new(p.head)]
         for i, d in enumerate(p.docs):
@@ -287,7 +291,8 @@ def _quality_rows(loaded, prompts, ids, sep) -> list[dict]:
         segments.append(Segment.new(p.tail))
         for ratio in RATIOS:
             for selection in SELECTIONS:
-                res = blend_prefill(model, segments, recompute_ratio=ratio, selection=selection)
+                res = blend_prefill(model, segments, recompute_ratio=ratio, select_layers=select_layers,
+                                    selection=selection)
                 val = _ppl(continuation_logprobs(model, res.k, res.v, res.logits, p.answer))
                 ppl.setdefault((ratio, selection), []).append(100.0 * (val / base - 1.0))
     rows = [row("ppl_delta_pct", 0.0, "%", mode="full", recompute_ratio=1.0),
@@ -304,7 +309,8 @@ def _ppl(logprobs) -> float:
 
 
 def _recall_rows(loaded, questions: dict[str, str], catalog: dict[str, str], minilm_hits: dict[str, list[str]],
-                 ks) -> list[dict]:
+                 ks, max_tokens: int = 1024) -> list[dict]:
+    """`max_tokens`: the longest text embedded (1024, or the model's context when shorter)."""
     import numpy as np
     import torch
 
@@ -314,7 +320,7 @@ def _recall_rows(loaded, questions: dict[str, str], catalog: dict[str, str], min
     def hidden(text: str) -> np.ndarray:
         from kvmesh.kv.blend import hidden_states
 
-        h = hidden_states(model, tok.encode(text)[:1024]).float().mean(dim=0)
+        h = hidden_states(model, tok.encode(text)[:max_tokens]).float().mean(dim=0)
         return (h / h.norm()).numpy()
 
     names = list(catalog)
@@ -366,21 +372,36 @@ def _plot(rows: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=100)
 
 
-def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
+def longest_prompts(prompts, ids, sep, catalog_ids: list[list[int]]) -> tuple[int, int]:
+    """(tokens of the longest RAG prompt, of the longest retrieval prompt: its head and tail around
+    the RETRIEVE_K longest catalogued documents)."""
+    rag = max(len(p.ids(ids, sep)) for p in prompts)
+    docs = sum(sorted(map(len, catalog_ids))[-RETRIEVE_K:]) + (RETRIEVE_K - 1) * len(sep)
+    return rag, max(len(p.head) + len(p.tail) for p in prompts) + docs
+
+
+def run(quick: bool = False, json_path: str | None = None, model: str = "bundled") -> list[dict]:
     import os
     import tempfile
 
     from kvmesh import launcher
+    from kvmesh.kv.blend import SELECT_LAYERS
+    from kvmesh.loadtest.models import bench_model
     from kvmesh.model.loader import load_model
 
     plan = QUICK if quick else FULL
-    print(f"kvmesh bench blend ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
-    loaded = load_model("bundled", dtype="float32")
+    bm = bench_model(model)
+    loaded = load_model(model, dtype="float32")
     tok = loaded.tokenizer
     _, ids = _sections(tok)
     sep = tok.encode("\n\n")
-    prompts = _prompts(tok, ids, plan.prompts)
+    prompts = _prompts(tok, ids, plan.prompts, model)
     catalog = _catalog(plan.catalog)
+    rag, retrieve = longest_prompts(prompts, ids, sep, [tok.encode(t) for t in catalog.values()])
+    longest = max(rag + max(OUTPUT_TOKENS, ANSWER_TOKENS), retrieve + OUTPUT_TOKENS)
+    bm.require_context("blend", longest, "its RAG and retrieval prompts with their answers")
+    bm.require_full_attention("blend", longest, "its RAG and retrieval prompts with their answers")
+    print(f"kvmesh bench blend ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
     print(f"{len(prompts)} prompts of {min(len(p.ids(ids, sep)) for p in prompts)}-"
           f"{max(len(p.ids(ids, sep)) for p in prompts)} tokens; catalog of {len(catalog)} documents",
           file=sys.stderr)
@@ -396,7 +417,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
                 return launcher.start_service(
                     "bench-engine", "kvmesh.services.engine",
                     ["--threads", threads, "--kvcache-address", kv.address,
-                     "--kv-cache-bytes", str(1 << 30), *extra], launcher.free_port())
+                     "--kv-cache-bytes", str(1 << 30), *bm.engine_args(), *extra], launcher.free_port())
 
             engine = start_engine()
             procs.append(engine)
@@ -409,8 +430,8 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
         finally:
             for p in reversed(procs):
                 launcher.stop_service(p)
-    rows += _quality_rows(loaded, prompts, ids, sep)
-    rows += _recall_rows(loaded, QUESTIONS, catalog, hits, plan.recall_ks)
+    rows += _quality_rows(loaded, prompts, ids, sep, bm.select_layers(SELECT_LAYERS))
+    rows += _recall_rows(loaded, QUESTIONS, catalog, hits, plan.recall_ks, min(1024, bm.config.context_length))
     print(pivot([r for r in rows if r.get("mode") in ("full", "prefix", "blend")], "mode", baseline="full"))
     print(pivot([r for r in rows if r.get("mode") not in ("full", "prefix", "blend")], "mode"))
     png = Path(json_path).with_suffix(".png") if json_path else Path("bench-results/blend.png")

@@ -1,5 +1,8 @@
 """`kvmesh bench engine`: the kvmesh engine vs Hugging Face generate() on the same weights.
 
+On the bundled model by default; `--model PATH` measures another (HF generate() loads the same
+folder or GGUF file; the llama.cpp column needs a GGUF file).
+
 Side by side, one run, one machine. kvmesh runs as its real gRPC service process (so its
 resident memory is the service's); HF runs in this process after the engine has stopped, so
 the two never compete for cores. Prompts are distinct slices of real text, so the engine's prefix
@@ -14,6 +17,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -111,6 +115,7 @@ async def _kvmesh_workload(address: str, prompts: Prompts, plan: Plan, proc: psu
 
 
 def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: str = "kvmesh") -> list[dict]:
+    """`engine_args` name the model (BenchModel.engine_args) and any other engine flags."""
     from kvmesh import launcher
 
     port = launcher.free_port()
@@ -125,17 +130,26 @@ def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: s
 
 # ---- Hugging Face transformers (in process) ---------------------------------------------------
 
-def bench_hf(plan: Plan, prompts: Prompts) -> list[dict]:
+def hf_model(source: str):
+    """transformers' model of `source` ('bundled', a .gguf file or an HF folder), fp32, eval."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvmesh.model.loader import bundled_gguf_path
 
+    path = bundled_gguf_path() if source == "bundled" else Path(source)
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def bench_hf(plan: Plan, prompts: Prompts, source: str = "bundled") -> list[dict]:
+    import torch
+
     set_torch_threads(0)
-    path = bundled_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 2
+    model = hf_model(source)
+    eos = model.config.eos_token_id
+    pad = eos if isinstance(eos, int) else eos[0] if eos else 2
 
     def gen(batch: list[list[int]], new: int) -> float:
         width = max(len(b) for b in batch)
@@ -171,17 +185,15 @@ def bench_hf(plan: Plan, prompts: Prompts) -> list[dict]:
 
 # ---- llama.cpp (llama-cpp-python, same GGUF file) ----------------------------------------------
 
-def bench_llamacpp(plan: Plan, prompts: Prompts) -> list[dict]:
-    """llama.cpp on the same GGUF (its native Q4_1 kernels), when llama-cpp-python is installed.
+def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
+    """llama.cpp on the same GGUF file (its native kernels), when llama-cpp-python is installed.
 
     llama-cpp-python has no continuous batching in its Python API: concurrency c is measured as c
     sequential requests (its aggregate throughput equals its single-stream rate)."""
     from llama_cpp import Llama
 
-    from kvmesh.model.loader import bundled_gguf_path
-
     threads = os.cpu_count() or 1
-    llm = Llama(model_path=str(bundled_gguf_path()), n_ctx=4096, n_threads=threads,
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads,
                 n_threads_batch=threads, n_batch=512, verbose=False, use_extra_bufts=False)
 
     def gen(ids: list[int], new: int) -> tuple[float, float]:
@@ -220,26 +232,48 @@ def bench_llamacpp(plan: Plan, prompts: Prompts) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, engine_args: list[str] | None = None) -> list[dict]:
+def longest_sequence(plan: Plan) -> int:
+    """Prompt + output tokens of the plan's longest request (the model's context must hold it)."""
+    return max(plan.decode_prompt + plan.decode_tokens, max(plan.ttft_prompts) + 1, plan.conc_prompt + plan.conc_tokens)
+
+
+def gguf_file(source: str) -> Path | None:
+    """The GGUF file llama.cpp runs for `source`, None for an HF folder."""
+    from kvmesh.model.loader import bundled_gguf_path
+
+    if source == "bundled":
+        return bundled_gguf_path()
+    return Path(source) if Path(source).suffix == ".gguf" else None
+
+
+def run(quick: bool = False, engine_args: list[str] | None = None, model: str = "bundled") -> list[dict]:
     """Runs both systems and prints the side-by-side table (kvmesh/hf ratios)."""
+    from kvmesh.loadtest.models import bench_model
     from kvmesh.model.loader import load_tokenizer
 
     plan = QUICK if quick else FULL
-    prompts = Prompts(load_tokenizer("bundled"))
-    print(f"kvmesh bench engine ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
-    rows = bench_kvmesh(plan, prompts, engine_args or [])
+    bm = bench_model(model)
+    bm.require_context("engine", longest_sequence(plan), f"its prompts of up to {max(plan.ttft_prompts)} tokens")
+    prompts = Prompts(load_tokenizer(model))
+    print(f"kvmesh bench engine ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
+    base = [*bm.engine_args(), *(engine_args or [])]
+    rows = bench_kvmesh(plan, prompts, base)
     # int4 group-32 weights reproduce the bundled Q4_1 GGUF exactly (perplexity unchanged, see
     # `kvmesh bench quant`), at a quarter of fp32's bytes read per decoded token.
-    rows += bench_kvmesh(plan, prompts, [*(engine_args or []), "--weights", "int4"], system="kvmesh-int4")
+    rows += bench_kvmesh(plan, prompts, [*base, "--weights", "int4"], system="kvmesh-int4")
     # int4 for one- and two-row matmuls, int8 x int8 (SmoothQuant) for batches, prefill and lm_head.
-    rows += bench_kvmesh(plan, prompts, [*(engine_args or []), "--weights", "int4-w8a8"], system="kvmesh-int4-w8a8")
+    rows += bench_kvmesh(plan, prompts, [*base, "--weights", "int4-w8a8"], system="kvmesh-int4-w8a8")
     # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
+    gguf = gguf_file(model)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         print("llamacpp column skipped: llama-cpp-python is not installed (see README)", file=sys.stderr)
     else:
-        rows += bench_llamacpp(plan, prompts)
-    rows += bench_hf(plan, prompts)
+        if gguf is None:
+            print("llamacpp column skipped: llama.cpp runs GGUF files, the model is an HF folder", file=sys.stderr)
+        else:
+            rows += bench_llamacpp(plan, prompts, gguf)
+    rows += bench_hf(plan, prompts, model)
     print(pivot(rows, "system", baseline="hf"))
     return rows

@@ -1,7 +1,7 @@
 """`kvmesh bench kvcache`: what storing prompt KV costs in bytes and quality, and what it saves in
 time to first token.
 
-Side by side in one run on the bundled SmolLM2-135M:
+Side by side in one run on the bundled SmolLM2-135M (or the model of `--model PATH`):
   * per codec (fp32 -- the deployment default ``--kv-codec auto`` of a float32 engine, exact --
     then the lossy fp16, int8, int4, int2; each with and without zstd), on the real KV of a
     2,048-token prompt of English text (``pydoc_data.topics``) cut in 256-token chunks: stored
@@ -83,7 +83,7 @@ class PagedSequence:
 
 
 @torch.inference_mode()
-def quality_rows(plan: Plan) -> list[dict]:
+def quality_rows(plan: Plan, model: str = "bundled") -> list[dict]:
     from kvmesh.kv import codec
     from kvmesh.kv.rope import rotate_keys, unrotate_keys
     from kvmesh.model.attention import read_kv
@@ -91,7 +91,7 @@ def quality_rows(plan: Plan) -> list[dict]:
     from kvmesh.model.perplexity import reference_text
     from kvmesh.services.engine.build import engine_namespace
 
-    lm = load_model("bundled", progress=False)
+    lm = load_model(model, progress=False)
     ids = lm.tokenizer.encode(reference_text())
     prompt = ids[:plan.quality_prompt]
     cont = ids[plan.quality_prompt:plan.quality_prompt + plan.quality_continuation]
@@ -178,24 +178,25 @@ async def _ttft(address: str, ids: list[int]) -> tuple[float, int]:
         return time.perf_counter() - t0, final.usage.cached_prompt_tokens
 
 
-def ttft_rows(plan: Plan) -> list[dict]:
+def ttft_rows(plan: Plan, model: str = "bundled", engine_args: tuple[str, ...] = ()) -> list[dict]:
+    """`engine_args` name the model (BenchModel.engine_args)."""
     rows = []
     for name in TTFT_CODECS:
-        rows += [{"codec": name, **r} for r in _ttft_rows(plan, name)]
+        rows += [{"codec": name, **r} for r in _ttft_rows(plan, name, model, engine_args)]
     return rows
 
 
-def _ttft_rows(plan: Plan, codec_name: str) -> list[dict]:
+def _ttft_rows(plan: Plan, codec_name: str, model: str, engine_args: tuple[str, ...]) -> list[dict]:
     from kvmesh import launcher
     from kvmesh.model.loader import load_tokenizer
     from kvmesh.model.perplexity import reference_text
 
-    ids = load_tokenizer("bundled").encode(reference_text())
+    ids = load_tokenizer(model).encode(reference_text())
     data = tempfile.mkdtemp(prefix="kvmesh-bench-kv-")
     kv_port, eng_port = launcher.free_port(), launcher.free_port()
     kv_args = ["--data-dir", data, "--tiers", "memory,disk", "--disk-map-bytes", str(4 << 30)]
     eng_args = ["--kvcache-address", f"127.0.0.1:{kv_port}", "--threads", str(os.cpu_count() or 1),
-                "--kv-codec", codec_name, "--kv-zstd", "true"]
+                "--kv-codec", codec_name, "--kv-zstd", "true", *engine_args]
     # The KV service idles while the engine computes: one torch thread for it, the cores for the engine.
     one_thread = {"OMP_NUM_THREADS": "1"}
     rows: list[dict] = []
@@ -236,12 +237,19 @@ def _ttft_rows(plan: Plan, codec_name: str) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, model: str = "bundled") -> list[dict]:
+    from kvmesh.loadtest.models import bench_model
+
     plan = QUICK if quick else FULL
-    print(f"kvmesh bench kvcache ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
-    rows = quality_rows(plan)
+    bm = bench_model(model)
+    bm.require_context("kvcache", max(plan.quality_prompt + plan.quality_continuation + plan.greedy_tokens,
+                                      max(plan.ttft_prompts) + 1),
+                       f"its {plan.quality_prompt}-token quality prompt and prompts of up to "
+                       f"{max(plan.ttft_prompts)} tokens")
+    print(f"kvmesh bench kvcache ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
+    rows = quality_rows(plan, model)
     print(pivot([r for r in rows], "codec"))
-    trows = ttft_rows(plan)
+    trows = ttft_rows(plan, model, tuple(bm.engine_args()))
     for name in TTFT_CODECS:
         print(f"codec {name}:")
         print(pivot([r for r in trows if r["codec"] == name], "source", baseline="cold"))

@@ -4,7 +4,8 @@ exact computation on prompts never used for tuning, next to the time blending sa
 Prompts: ``kvmesh.loadtest.quality_workloads`` (RAG over shuffled passages, multi-turn chat,
 long-document QA with generated questions; 156 prompts, dev and test split by source). The
 test split is measured unless ``KVMESH_BENCH_SPLIT`` says ``dev`` or ``both`` (the dev split is
-for tuning; what is reported is the test split). Full: every prompt of the split, exact answers
+for tuning; what is reported is the test split); ``KVMESH_BENCH_PATHS`` (e.g. ``codec``) measures
+only some kinds of path (codec, blend, weights; the TTFT section comes with blend). Full: every prompt of the split, exact answers
 of up to 64 tokens, blend ratios 0, 0.1, 0.15, 0.25, 0.3, 0.4, 0.5; quick: 4 prompts per workload
 (spread evenly over the split), 32 tokens, ratios 0, 0.15, 0.25. With a JSON path, the
 per-prompt scores are written beside it (``<name>.prompts.json``).
@@ -84,6 +85,8 @@ if TYPE_CHECKING:
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 WEIGHTS = ("int8", "int4", "int4-w8a8")
 SPLIT_ENV = "KVMESH_BENCH_SPLIT"
+PATHS_ENV = "KVMESH_BENCH_PATHS"
+PATH_KINDS = ("codec", "blend", "weights")
 TTFT_TOKENS = 2500
 DOC_KV_BYTES = 2 << 30
 METRICS = ("exact_match", "first_divergence", "top1", "kl", "ppl_delta_pct", "ttft_s", "ttft_speedup")
@@ -96,6 +99,8 @@ class Plan:
     answer_tokens: int = 64
     ratios: tuple[float, ...] = (0.0, 0.1, 0.15, 0.25, 0.3, 0.4, 0.5)
     ttft_prompts: int = 8
+    paths: tuple[str, ...] = PATH_KINDS
+    """The kinds of paths measured (KVMESH_BENCH_PATHS); TTFT only with blend."""
 
 
 FULL = Plan()
@@ -236,6 +241,14 @@ def ttft_prompts(prompts: list[QualityPrompt], n: int) -> list[QualityPrompt]:
     return sorted(pool, key=lambda p: (abs(len(p.token_ids) - TTFT_TOKENS), p.id))[:n]
 
 
+def paths_from_env() -> tuple[str, ...]:
+    value = os.environ.get(PATHS_ENV, ",".join(PATH_KINDS))
+    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
+    if not kinds or any(k not in PATH_KINDS for k in kinds):
+        raise SystemExit(f"{PATHS_ENV}={value!r}: a comma-separated list of {', '.join(PATH_KINDS)} (default: all)")
+    return tuple(k for k in PATH_KINDS if k in kinds)
+
+
 def splits_from_env() -> tuple[str, ...]:
     value = os.environ.get(SPLIT_ENV, "test")
     choices = {"dev": ("dev",), "test": ("test",), "both": SPLITS}
@@ -315,13 +328,13 @@ class _Measure:
         # As services/engine/build.py builds them from the engine's config.
         self.codec_base = CodecSpec(name="fp32", zstd=False, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
                                     head=cfg.kv_head_tokens, key_outliers=cfg.kv_key_outliers)
-        self.blend = BlendConfig(cfg.blend_recompute_ratio,
-                                 min(cfg.blend_select_layers, max(1, loaded.config.num_layers - 1)),
-                                 cfg.blend_selection)
+        self.blend = BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers,
+                                 cfg.blend_selection).for_model(loaded.config.num_layers)
         self.namespace = engine_namespace(loaded).digest()
         self.eos = set(loaded.tokenizer.eos_token_ids)
         t0 = time.perf_counter()
-        self.weights = {fmt: load_model("bundled", dtype="float32", weights=fmt, progress=False) for fmt in WEIGHTS}
+        self.weights = {fmt: load_model(loaded.source, dtype="float32", weights=fmt, progress=False)
+                        for fmt in (WEIGHTS if "weights" in plan.paths else ())}
         print(f"loaded the {', '.join(WEIGHTS)} models in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         self._docs: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.seconds: dict[str, float] = {}
@@ -353,13 +366,13 @@ class _Measure:
 
             scores = []
             t0 = time.perf_counter()
-            for name in CODECS:
+            for name in CODECS if "codec" in self.plan.paths else ():
                 k, v, m = self._codec_kv(ids, ref, name)
                 scores.append(against_exact(f"codec={name}", None, k, v, m))
             self._timed("codecs", t0)
             t0 = time.perf_counter()
             m = (len(ids) - 1) // self.block * self.block
-            for ratio in self.plan.ratios:
+            for ratio in self.plan.ratios if "blend" in self.plan.paths else ():
                 k, v = self._blend_kv(p, ratio)
                 scores.append(against_exact(f"blend={ratio:g}", ratio, k, v, m))
             self._timed("blend", t0)
@@ -470,24 +483,31 @@ def measure(loaded: LoadedModel, prompts: list[QualityPrompt], plan: Plan) -> li
     return scores
 
 
-def run(quick: bool = False, json_path: Optional[str] = None) -> list[dict]:
+def run(quick: bool = False, json_path: Optional[str] = None, model: str = "bundled") -> list[dict]:
+    from kvmesh.loadtest.models import bench_model
     from kvmesh.model.loader import load_model
 
-    plan = QUICK if quick else FULL
+    plan = dataclasses.replace(QUICK if quick else FULL, paths=paths_from_env())
     splits = splits_from_env()
-    print(f"kvmesh bench quality ({'quick' if quick else 'full'}, split {'+'.join(splits)}): {plan}", file=sys.stderr)
+    print(f"kvmesh bench quality ({'quick' if quick else 'full'}, split {'+'.join(splits)}, model {model}): {plan}",
+          file=sys.stderr)
     t_start = time.perf_counter()
-    loaded = load_model("bundled", dtype="float32", progress=False)
+    bm = bench_model(model)
+    loaded = load_model(model, dtype="float32", progress=False)
     prompts = build_prompts(loaded.tokenizer, splits)
     chosen = select(prompts, plan.per_workload)
+    timed = ttft_prompts(prompts, plan.ttft_prompts) if "test" in splits and "blend" in plan.paths else []
+    longest = max(len(p.token_ids) for p in chosen + timed) + plan.answer_tokens
+    bm.require_context("quality", longest, "its prompts with their answers")
+    bm.require_full_attention("quality", longest, "its prompts with their answers")
     counts = {(p.split, p.workload) for p in chosen}
     print(f"{len(chosen)} of {len(prompts)} prompts: " + ", ".join(
         f"{s}/{w} {sum(p.split == s and p.workload == w for p in chosen)}" for s, w in sorted(counts)), file=sys.stderr)
     rows: list[dict] = []
-    if "test" in splits:
+    if "test" in splits and "blend" in plan.paths:
         t0 = time.perf_counter()
         warm = loaded.tokenizer.encode("<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n")
-        rows += ttft_rows(*measure_ttft(ttft_prompts(prompts, plan.ttft_prompts), plan.ratios, warm))
+        rows += ttft_rows(*measure_ttft(timed, plan.ratios, warm, bm.engine_args()))
         print(f"TTFT section: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     scores = measure(loaded, chosen, plan)
     rows += answer_rows(scores) + quality_rows(scores)

@@ -74,15 +74,17 @@ async def _blend_ttft(address: str, prompts: list[QualityPrompt], ratios, warm: 
         return out
 
 
-def measure_ttft(prompts: list[QualityPrompt], ratios, warm: list[int]) -> tuple[list[float], dict[float, list[float]]]:
+def measure_ttft(prompts: list[QualityPrompt], ratios, warm: list[int],
+                 engine_args: list[str] = ()) -> tuple[list[float], dict[float, list[float]]]:
     """Full prefill and blending TTFT through engine processes (see the module docstring):
-    (full prefill seconds per prompt, {ratio: blend seconds per prompt})."""
+    (full prefill seconds per prompt, {ratio: blend seconds per prompt}). `engine_args` name the
+    model (kvmesh.loadtest.models.BenchModel.engine_args)."""
     from kvmesh import launcher
 
     threads = str(os.cpu_count() or 1)
     print(f"TTFT: {len(prompts)} prompts of {min(len(p.token_ids) for p in prompts)}-"
           f"{max(len(p.token_ids) for p in prompts)} tokens", file=sys.stderr)
-    engine = launcher.start_service("bench-engine", "kvmesh.services.engine", ["--threads", threads],
+    engine = launcher.start_service("bench-engine", "kvmesh.services.engine", ["--threads", threads, *engine_args],
                                     launcher.free_port())
     try:
         full = asyncio.run(_full_ttft(engine.address, prompts, warm))
@@ -98,7 +100,7 @@ def measure_ttft(prompts: list[QualityPrompt], ratios, warm: list[int]) -> tuple
             # and could switch blending off mid-measurement.
             procs.append(launcher.start_service("bench-engine", "kvmesh.services.engine",
                                                 ["--threads", threads, "--kvcache-address", kv.address,
-                                                 "--guard-shadow-share", "0"], launcher.free_port()))
+                                                 "--guard-shadow-share", "0", *engine_args], launcher.free_port()))
             blends = asyncio.run(_blend_ttft(procs[-1].address, prompts, ratios, warm))
         finally:
             for p in reversed(procs):

@@ -1,12 +1,14 @@
-"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8) on the bundled model.
+"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8) on the bundled model
+(or the model of `--model PATH`).
 
 For each format: perplexity on the first 8192 tokens of ``kvmesh.model.reference_text()``
-(quick: 2048) with window 1024 / stride 512, its change against fp32, single-sequence greedy
+(quick: 2048) with window 1024 / stride 512 (a model with a shorter context: window = its
+context, stride half of it; the unit names the window), its change against fp32, single-sequence greedy
 decode speed through the paged forward path (the engine's path: AttentionMetadata + KV cache),
 and the share of greedy tokens equal to fp32's on chat prompts through that same path (where the
 packed int8/int4 kernels round activations to bf16, which perplexity on long windows does not see).
 
-    python loadtest/quant_bench.py [--quick] [--device cpu]
+    python loadtest/quant_bench.py [--quick] [--device cpu] [--model PATH]
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import time
 
 import torch
 
-from kvmesh.model import AttentionMetadata, allocate_kv_cache, load_model, perplexity, reference_text
+from kvmesh.model import AttentionMetadata, allocate_kv_cache, load_model
+# Not through kvmesh.model: `from kvmesh.model import perplexity` gives the submodule of that name.
+from kvmesh.model.perplexity import perplexity, reference_text
 
 FORMATS = (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "float32"), ("int4", "float32"), ("int4-w8a8", "float32"))
 BLOCK_SIZE = 16
@@ -71,27 +75,44 @@ def chat_greedy(lm, new_tokens: int) -> list[list[int]]:
     return [greedy_decode(lm, p, new_tokens)[0] for p in prompts]
 
 
-def run(quick: bool, device: str = "cpu") -> list[dict]:
+PPL_WINDOW = 1024
+
+
+def ppl_window(context_length: int) -> tuple[int, int]:
+    """(window, stride) of the perplexity: 1024 / 512, or the model's whole context and half of it
+    when that is shorter."""
+    window = min(PPL_WINDOW, context_length)
+    return window, max(1, window // 2)
+
+
+def run(quick: bool, device: str = "cpu", model: str = "bundled") -> list[dict]:
     """Measure every format; rows {"weights", "metric", "value", "unit"}."""
+    from kvmesh.loadtest.models import bench_model
+
     n_tokens = 2048 if quick else 8192
     decode_steps = 32 if quick else 128
+    chat_tokens = 16 if quick else 64
+    bm = bench_model(model)
+    window, stride = ppl_window(bm.config.context_length)
+    bm.require_context("quant", 64 + decode_steps + 5, "its decode-speed sequence")
+    unit_suffix = "" if window == PPL_WINDOW else f" window {window}"
     rows: list[dict] = []
     base_ppl = None
     base_greedy = None
     ids = None
     for weights, dtype in FORMATS:
-        lm = load_model("bundled", dtype=dtype, device=device, weights=weights)
+        lm = load_model(model, dtype=dtype, device=device, weights=weights)
         if ids is None:
             ids = lm.tokenizer.encode(reference_text())[:n_tokens]
-        ppl = perplexity(lm.model, ids, window=1024, stride=512)
+        ppl = perplexity(lm.model, ids, window=window, stride=stride)
         base_ppl = base_ppl or ppl
         tps = decode_tokens_per_s(lm, ids[:64], decode_steps)
-        greedy = chat_greedy(lm, 16 if quick else 64)
+        greedy = chat_greedy(lm, chat_tokens)
         base_greedy = base_greedy or greedy
         agree = (sum(a == b for g, b0 in zip(greedy, base_greedy) for a, b in zip(g, b0))
                  / sum(len(b0) for b0 in base_greedy))
         rows += [
-            {"weights": weights, "metric": "ppl", "value": ppl, "unit": f"ppl@{len(ids)}tok"},
+            {"weights": weights, "metric": "ppl", "value": ppl, "unit": f"ppl@{len(ids)}tok{unit_suffix}"},
             {"weights": weights, "metric": "ppl_delta_pct", "value": 100 * (ppl - base_ppl) / base_ppl, "unit": "%"},
             {"weights": weights, "metric": "decode_tok_s", "value": tps, "unit": "tok/s"},
             {"weights": weights, "metric": "greedy_agree", "value": agree, "unit": "share"},
@@ -115,9 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2048-token perplexity, 32 decode steps")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="bundled", help="'bundled', a .gguf file or an HF folder")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {sys.version.split()[0]}")
-    run(args.quick, args.device)
+    run(args.quick, args.device, args.model)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`kvmesh bench spec`: speculative decoding with drafts from the draft service, side by side.
 
-One engine process (the bundled SmolLM2-135M, fp32) and one draft service process (n-gram
-drafter, and the model drafter: the same model with int4 weights), both on this machine; each
+One engine process (the bundled SmolLM2-135M, fp32, or the model of `--model PATH`) and one draft
+service process (n-gram drafter, and the model drafter: the same model with int4 weights), both on
+this machine; each
 request picks its drafter (GenerateRequest.speculation), so every row runs against the same
 processes in one run. Greedy decoding (outputs are identical with and without speculation; the
 bench checks it and reports any difference).
@@ -126,19 +127,26 @@ async def _measure(address: str, reqs: list, concurrency: int) -> tuple[float, f
     return tok_s, accepted, [r["tokens"] for r in results]
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, model: str = "bundled") -> list[dict]:
     from kvmesh import launcher
+    from kvmesh.loadtest.models import bench_model
     from kvmesh.model.loader import load_tokenizer
 
     plan = QUICK if quick else FULL
-    print(f"kvmesh bench spec ({'quick' if quick else 'full'}): {plan}", file=sys.stderr)
-    tok = load_tokenizer("bundled")
+    bm = bench_model(model)
+    tok = load_tokenizer(model)
     workloads = {"extractive": extractive_prompts(plan.prompts), "chat": list(CHAT[:plan.prompts])}
+    longest = max(len(_request(tok, t, "off", plan.max_tokens).token_ids.ids) for ts in workloads.values() for t in ts)
+    bm.require_context("spec", longest + plan.max_tokens, f"its longest prompt ({longest} tokens) and answer")
+    print(f"kvmesh bench spec ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
     threads = str(os.cpu_count() or 1)  # engine and drafter take turns (the engine waits on drafts)
     procs = []
     rows: list[dict] = []
     try:
-        draft = launcher.start_service("bench-draft", "kvmesh.services.draft", ["--threads", threads],
+        # The model drafter drafts with the served model's own weights at int4 (the bundled model's
+        # draft model is the bundled model), so it shares the tokenizer on any model.
+        draft_args = [] if bm.bundled else ["--draft-model", model]
+        draft = launcher.start_service("bench-draft", "kvmesh.services.draft", ["--threads", threads, *draft_args],
                                        launcher.free_port())
         procs.append(draft)
         # The engine's defaults: drafts fitted to 8 decode rows a step (fp32 steps of 1-8 rows
@@ -147,7 +155,7 @@ def run(quick: bool = False) -> list[dict]:
         # position here: a deadline that lets it through.
         engine = launcher.start_service("bench-engine", "kvmesh.services.engine",
                                         ["--threads", threads, "--draft-address", draft.address,
-                                         "--draft-timeout-s", "1.0"],
+                                         "--draft-timeout-s", "1.0", *bm.engine_args()],
                                         launcher.free_port())
         procs.append(engine)
         for workload, texts in workloads.items():

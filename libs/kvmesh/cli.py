@@ -14,12 +14,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.otlp_endpoint:  # every service reads it (and the processes inherit this environment)
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
 
-    plan = launcher.StackPlan(
-        ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
-                                  engine=args.engine_port, kvcache=args.kvcache_port, draft=args.draft_port),
-        replicas=args.replicas, cascade=args.cascade, engine_args=tuple(args.engine_arg),
-        kvcache_args=tuple(args.kvcache_arg), draft_args=tuple(args.draft_arg), router_args=tuple(args.router_arg),
-        gateway_args=tuple(args.gateway_arg))
+    try:
+        plan = _plan(args)
+    except ValueError as err:
+        print(f"kvmesh up: {err}", file=sys.stderr)
+        return 2
     try:
         procs = launcher.up(plan)
     except launcher.LaunchError as err:
@@ -28,6 +27,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
     for p in procs:
         print(f"{p.name:12s} pid {p.pid:<7d} {p.address:16s} {p.url or ''}  log {p.log}")
     return 0
+
+
+def _plan(args: argparse.Namespace):
+    """The StackPlan of `kvmesh up`'s flags; ValueError for a served name the router refuses."""
+    from kvmesh import launcher
+
+    return launcher.StackPlan(
+        ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
+                                  engine=args.engine_port, kvcache=args.kvcache_port, draft=args.draft_port),
+        replicas=args.replicas, cascade=args.cascade, engine_args=tuple(args.engine_arg),
+        kvcache_args=tuple(args.kvcache_arg), draft_args=tuple(args.draft_arg), router_args=tuple(args.router_arg),
+        gateway_args=tuple(args.gateway_arg), model=args.model, served_name=args.served_model_name or "",
+        draft_model=args.draft_model or "", chat_template=args.chat_template or "")
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
@@ -212,7 +224,7 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvmesh.loadtest.registry import run_bench
 
-    rows = run_bench(args.name, quick=args.quick, json_path=args.json)
+    rows = run_bench(args.name, quick=args.quick, json_path=args.json, model=args.model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -225,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start the local stack (detached) and wait until it is ready")
+    up.add_argument("--model", default="bundled",
+                    help="the model to serve: 'bundled' (SmolLM2-135M-Instruct), a .gguf file or a Hugging Face "
+                         "folder of a Llama, Mistral or Qwen2 model; sets the engines, the gateway's tokenizer, "
+                         "the router tier and the served name")
+    up.add_argument("--served-model-name", help="the name clients use (default: --model as given; "
+                                                "smollm2-135m-instruct for the bundled model)")
+    up.add_argument("--draft-model", help="draft model for speculative decoding, sharing --model's tokenizer "
+                                          "(default: the bundled model drafts for itself; other models get "
+                                          "n-gram drafts only)")
+    up.add_argument("--chat-template", help="chat template overriding the model's: a Jinja file or the template")
     up.add_argument("--replicas", type=int, default=1, help="engine replicas of the full model")
     up.add_argument("--cascade", action="store_true",
                     help="also start a cheap tier (int4 weights) and a cascade route 'auto' over both tiers")
@@ -280,8 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     docs.set_defaults(fn=_cmd_docs)
 
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
+    bench.add_argument("--model", default="bundled",
+                       help="the model to measure: 'bundled' (SmolLM2-135M-Instruct), a .gguf file or a Hugging "
+                            "Face folder, as `kvmesh up --model`; routing and cascade run on the bundled model "
+                            "only, and a workload the model cannot run (longer than its context, blending past "
+                            "a sliding window) is refused with the reason")
     bench.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     bench.set_defaults(fn=_cmd_bench)
     return p

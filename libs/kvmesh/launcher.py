@@ -5,8 +5,10 @@ State (pids, ports, log paths) lives in `<data dir>/stack.json`; each service lo
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -150,11 +152,22 @@ class StackPorts:
     draft: int = 50091
 
 
+BUNDLED_NAME = "smollm2-135m-instruct"
+"""The served name of the bundled model."""
+_NAME = re.compile(r"^[A-Za-z0-9._:/-]+$")  # what the router accepts as a tier name
+
+
 @dataclass(frozen=True)
 class StackPlan:
-    """What `kvmesh up` starts: the KV-cache service, the draft service, `replicas` engines of the
-    full model (one router tier), optionally a cheap tier (int4 weights) with a cascade route over both, the
-    router and the gateway. Extra flags go to every process of one kind."""
+    """What `kvmesh up` starts: the KV-cache service, the draft service, `replicas` engines of
+    `model` (one router tier named `served_name`), optionally a cheap tier (int4 weights) with a
+    cascade route over both, the router and the gateway (tokenizing with `model`). Extra flags go
+    to every process of one kind.
+
+    Model: 'bundled', a .gguf file or an HF folder. Served name: `served_name`, else as vLLM the
+    model as given ('bundled' is served as smollm2-135m-instruct). Drafts: the bundled model drafts
+    for itself; any other model gets n-gram drafts unless `draft_model` names a draft model (same
+    tokenizer)."""
 
     ports: StackPorts = StackPorts()
     replicas: int = 1
@@ -165,11 +178,27 @@ class StackPlan:
     draft_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
-    served_name: str = "smollm2-135m-instruct"
+    model: str = "bundled"
+    served_name: str = ""
+    """The name clients use; empty = derived from `model` (see the class docstring)."""
+    draft_model: str = ""
+    """Draft model for speculative decoding; empty = the bundled model for the bundled model, else none (n-gram)."""
+    chat_template: str = ""
+    """The gateway's --chat-template (a Jinja file or the template); empty = the model's."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not _NAME.match(self.name):
+            raise ValueError(f"served model name {self.name!r} may hold only letters, digits and ._:/-; "
+                             "pass --served-model-name NAME")
+
+    @property
+    def name(self) -> str:
+        """The served model name (`served_name`, or derived from `model`)."""
+        if self.served_name:
+            return self.served_name
+        return BUNDLED_NAME if self.model == "bundled" else self.model
 
 
 def _threads_per_engine(engines: int) -> str:
@@ -199,14 +228,14 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
     specs = [ServiceSpec("kvcache", "kvmesh.services.kvcache",
                          ("--data-dir", str(data / "kvcache"), *plan.kvcache_args), ports.kvcache, one_thread)]
     # The draft service answers between the engine's steps (the engine waits for it): one thread.
-    specs.append(ServiceSpec("draft", "kvmesh.services.draft", ("--threads", "1", *plan.draft_args),
-                             ports.draft, one_thread))
-    common = ("--kvcache-address", kv, "--draft-address", f"127.0.0.1:{ports.draft}",
-              "--threads", threads, "--served-name", plan.served_name)
+    specs.append(ServiceSpec("draft", "kvmesh.services.draft", ("--threads", "1", *draft_flags(plan),
+                                                                *plan.draft_args), ports.draft, one_thread))
+    common = ("--model", plan.model, "--kvcache-address", kv, "--draft-address", f"127.0.0.1:{ports.draft}",
+              "--threads", threads, "--served-name", plan.name)
     full = [ServiceSpec("engine" if plan.replicas == 1 else f"engine-{i}", "kvmesh.services.engine",
                         (*common, *plan.engine_args), ports.engine + i) for i in range(plan.replicas)]
     specs += full
-    tiers = f"{plan.served_name}={','.join(f'127.0.0.1:{e.port}' for e in full)}@1.0"
+    tiers = f"{plan.name}={','.join(f'127.0.0.1:{e.port}' for e in full)}@1.0"
     router_args: tuple[str, ...] = ("--tiers", tiers)
     if plan.cascade:
         cheap_port = ports.engine + plan.replicas
@@ -214,13 +243,53 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
                                  (*common, *plan.cheap_args, *plan.engine_args), cheap_port))
         # the full model first: a request naming no model gets it
         router_args = ("--tiers", f"{tiers};cheap=127.0.0.1:{cheap_port}@0.6",
-                       "--cascades", f"auto=cheap,{plan.served_name}", "--default-model", plan.served_name)
+                       "--cascades", f"auto=cheap,{plan.name}", "--default-model", plan.name)
     specs.append(ServiceSpec("router", "kvmesh.services.router", (*router_args, *plan.router_args),
                              ports.router, one_thread))
+    template = ("--chat-template", plan.chat_template) if plan.chat_template else ()
     specs.append(ServiceSpec("gateway", "kvmesh.services.gateway",
-                             ("--router-address", f"127.0.0.1:{ports.router}", "--http-port", str(ports.http),
-                              *plan.gateway_args), ports.gateway, one_thread, http_port=ports.http))
+                             ("--model", plan.model, *template, "--router-address", f"127.0.0.1:{ports.router}",
+                              "--http-port", str(ports.http), *plan.gateway_args),
+                             ports.gateway, one_thread, http_port=ports.http))
     return specs
+
+
+def draft_flags(plan: StackPlan) -> tuple[str, ...]:
+    """The draft service's model flags for `plan`: the bundled model drafts for itself (the
+    service's defaults); another model drafts with `plan.draft_model`, or n-gram only, for the
+    served model's weights digest (read from its files: GetModelInfo's weights_digest)."""
+    if plan.model == "bundled" and plan.draft_model in ("", "bundled"):
+        return ()
+    return ("--draft-model", plan.draft_model or "none", "--target-model", _source_digest(plan.model))
+
+
+@functools.lru_cache(maxsize=4)
+def _source_digest(source: str) -> str:
+    from kvmesh.model.bundled import source_digest
+
+    return source_digest(source)  # reads every weight byte: once per `up`
+
+
+def check_model(plan: StackPlan) -> None:
+    """Refuse a plan whose model or draft model cannot be served, before anything starts:
+    LaunchError saying what to fix (missing files, a draft model with another tokenizer, an
+    unreadable --chat-template)."""
+    from kvmesh.model.bundled import source_tokenizer
+    from kvmesh.model.tokenizer import read_chat_template
+
+    try:
+        tokenizer = source_tokenizer(plan.model)
+        if plan.model != "bundled":
+            _source_digest(plan.model)  # the weights are there (and their digest is ready)
+        if plan.draft_model and plan.draft_model != "none":
+            draft = source_tokenizer(plan.draft_model)
+            if draft.fingerprint() != tokenizer.fingerprint():
+                raise LaunchError(f"--draft-model {plan.draft_model} tokenizes differently from --model "
+                                  f"{plan.model}; a draft model must share the served model's tokenizer")
+        if plan.chat_template:
+            read_chat_template(plan.chat_template)
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"--model {plan.model}: {e}") from None
 
 
 def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
@@ -230,6 +299,7 @@ def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
     running = [p for p in load_state() if alive(p.pid)]
     if running:
         return running
+    check_model(plan)
     procs: list[ServiceProc] = []
     try:
         for spec in stack_services(plan, data_dir()):

@@ -19,7 +19,8 @@ class DraftConfig:
     server: ServerSettings = ServerSettings(port=50091, grace_s=5.0)
     draft_model: Optional[str] = setting(
         "bundled", "Model of the model drafter: 'bundled' (SmolLM2-135M-Instruct), a .gguf path or "
-                   "an HF folder; 'none' = no model drafter (n-gram and adaptive over n-gram only).")
+                   "an HF folder sharing the served model's tokenizer; 'none' = no model drafter (n-gram "
+                   "and adaptive over n-gram only; what `kvmesh up --model` uses without --draft-model).")
     draft_weights: str = setting(
         "int4", "Weight format of the draft model (int4: ~1.7x the fp32 decode speed on CPU).",
         choices=("fp32", "bf16", "int8", "int4"))

@@ -10,6 +10,7 @@ Hooks, called by EngineCore on the step-loop thread:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Optional
 
 from kvmesh.kv.blend import BlendPrefill, blend_prefill
 from kvmesh.kv.namespace import KvNamespace
+from kvmesh.model.config import ModelConfig
 from kvmesh.model.llama import LlamaForCausalLM
 from kvmesh.services.engine.documents import BlendPlan
 from kvmesh.services.engine.outputs import DocumentUsage, Timeline
@@ -44,6 +46,21 @@ class BlendConfig:
         with the same settings from the same stored format."""
         return base.with_storage(f"blend:{base.storage}:{recompute_ratio:.4f}:{self.select_layers}:{self.selection}")
 
+    def for_model(self, num_layers: int) -> BlendConfig:
+        """These settings on a `num_layers`-layer model: select_layers capped at num_layers - 1
+        (kvmesh.kv.blend needs at least one layer after the probe), so a shallower model than the
+        default's runs with what it has. Every user of a BlendConfig on a model derives it here."""
+        return dataclasses.replace(self, select_layers=min(self.select_layers, max(1, num_layers - 1)))
+
+
+def attention_window(config: ModelConfig) -> Optional[int]:
+    """The narrowest sliding attention window among the model's layers; None when every layer
+    attends to the whole sequence. kvmesh.kv.blend (and the guardrail's dense recomputes, see
+    shadow.py) attend fully: on such a model they compute what the model computes only for
+    sequences of at most this many tokens."""
+    windows = [w for w in (config.window_of(layer) for layer in range(config.num_layers)) if w is not None]
+    return min(windows) if windows else None
+
 
 @dataclass
 class _Request:
@@ -58,7 +75,9 @@ class Blender:
     def __init__(self, model: LlamaForCausalLM, scheduler: Scheduler, config: BlendConfig = BlendConfig()) -> None:
         self.model = model
         self.scheduler = scheduler
-        self.config = config
+        self.config = config.for_model(model.config.num_layers)
+        self.window = attention_window(model.config)
+        """The model's narrowest sliding window (None: full attention): see `refusal`."""
         self._requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, plan: Optional[BlendPlan], document_ids: tuple[str, ...],
@@ -71,6 +90,16 @@ class Blender:
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def refusal(self, prompt_tokens: int) -> str:
+        """Why a prompt of `prompt_tokens` tokens cannot be blended on this model ("" when it can).
+        Blending's selective recompute attends to every earlier token, a sliding-window layer
+        only to the last `window`: past the window the blend would compute another model's KV,
+        so the request computes its documents instead (exact)."""
+        if self.window is None or prompt_tokens <= self.window:
+            return ""
+        return (f"the model attends through a sliding window of {self.window} tokens and blending attends "
+                f"fully, so a {prompt_tokens}-token prompt is computed exactly")
 
     def new_job(self, token_ids: list[int]) -> BlendPrefill:
         """A blend for `token_ids` whose first stage (`probe`) may run before its KV is here."""

@@ -12,7 +12,7 @@ from kvmesh.threads import set_torch_threads
 from kvmesh.kv.codec import CodecSpec, exact_codec
 from kvmesh.kv.namespace import KvLayout, KvNamespace
 from kvmesh.kv.quality import QualityBudget
-from kvmesh.kv.rope import STORED_KEYS
+from kvmesh.kv.rope import stored_keys_rope
 from kvmesh.model.loader import LoadedModel, load_model, truncate_layers
 from kvmesh.model.native import paged_decode_kernel
 from kvmesh.services.engine.async_engine import AsyncEngine
@@ -41,7 +41,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
         paged_decode_kernel()  # built (or loaded from the cache) now, not on the first decode step
     num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size)
-    max_len = cfg.max_model_len or loaded.config.max_position_embeddings
+    max_len = cfg.max_model_len or loaded.config.context_length
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=max_len, block_size=cfg.block_size, max_waiting=cfg.max_waiting)
@@ -52,9 +52,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
                       drafts=build_draft_client(cfg, loaded, clock),
                       spec=SpecConfig(SpecMode(cfg.speculation), cfg.spec_max_draft_tokens,
                                       cfg.spec_batch_draft_tokens, cfg.spec_step_rows),
-                      blend=BlendConfig(cfg.blend_recompute_ratio,
-                                        min(cfg.blend_select_layers, max(1, loaded.config.num_layers - 1)),
-                                        cfg.blend_selection),
+                      blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers,
+                                        cfg.blend_selection).for_model(loaded.config.num_layers),
                       quality_budget=QualityBudget(cfg.quality_max_kl, cfg.quality_min_top1),
                       guardrail=build_guardrail(cfg))
 
@@ -95,11 +94,11 @@ def serve_layers(loaded: LoadedModel, cfg: EngineConfig) -> LoadedModel:
 
 
 def kv_layout(loaded: LoadedModel) -> KvLayout:
-    """What one token's KV looks like for this model, stored keys' RoPE convention and base
-    included (a key un-rotated with another base is another key)."""
+    """What one token's KV looks like for this model, stored keys' RoPE convention, base and
+    scaling included (a key un-rotated with another rotation is another key)."""
     c = loaded.config
     return KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, str(loaded.dtype).removeprefix("torch."),
-                    rope=f"{STORED_KEYS} theta={c.rope_theta:g}")
+                    rope=stored_keys_rope(c))
 
 
 def engine_namespace(loaded: LoadedModel) -> KvNamespace:

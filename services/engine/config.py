@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.launcher import BUNDLED_NAME
 from kvmesh.limits import MAX_DRAFT_TOKENS
 from kvmesh.rpc.server import ServerSettings
 
@@ -16,8 +17,8 @@ class EngineConfig:
     """Everything the engine service needs to start; see `kvmesh-engine --help`."""
 
     server: ServerSettings = ServerSettings(port=50061)
-    model: str = setting("bundled", "Model source: 'bundled' (SmolLM2-135M-Instruct GGUF), a .gguf path, or a Hugging Face checkpoint folder.")
-    served_name: str = setting("smollm2-135m-instruct", "Model name reported to clients.")
+    model: str = setting("bundled", "Model source: 'bundled' (SmolLM2-135M-Instruct GGUF), a .gguf path, or a Hugging Face checkpoint folder, of a Llama (2, 3, 3.1+), Mistral or Qwen2 (2.5) model; other architectures are refused naming these.")
+    served_name: str = setting("", "Model name reported to clients; empty = derived from --model: smollm2-135m-instruct for the bundled model, else --model as given (as vLLM). `kvmesh up` sets it to --served-model-name, else derives it the same way.")
     dtype: str = setting("float32", "Compute dtype.", choices=("float32", "bfloat16"))
     weights: str = setting("auto", "Weight format: auto (= the compute dtype), fp32, bf16, weight-only int8/int4, or int4-w8a8 (int4 for one- and two-row matmuls, int8 weights x int8 activations for larger ones and the output projection: faster batches and prefill, +1% perplexity).", choices=("auto", "fp32", "bf16", "int8", "int4", "int4-w8a8"))
     num_layers: int = setting(0, "Serve only the first N decoder layers (early exit: then the final norm and lm_head), e.g. a cheap cascade tier of the same weights; 0 = all. Its KV namespace differs from the full model's.", min=0)
@@ -74,6 +75,13 @@ class EngineConfig:
                               f"({self.block_size}), e.g. {self.block_size * max(1, self.kv_chunk_tokens // self.block_size)}")
         if self.weights == "fp32" and self.dtype != "float32":
             raise ConfigError("--weights fp32 needs --dtype float32; use --weights auto to follow the dtype")
+
+    @property
+    def model_name(self) -> str:
+        """The served name: `served_name`, else derived from `model` as `kvmesh up` derives it."""
+        if self.served_name:
+            return self.served_name
+        return BUNDLED_NAME if self.model == "bundled" else self.model
 
     @property
     def weight_format(self) -> str:

@@ -80,7 +80,8 @@ class RequestPreparer:
         Lossy paths are served only by contract: the request (or its tenant, or the deployment)
         opted in, and the guardrail's estimate of the path is within the request's budget; else
         the request falls back to exact reuse (codec) or computes its documents (blend), and
-        EngineRequest.fallback says which path and why."""
+        EngineRequest.fallback says which path and why. A blend the model cannot compute (a
+        prompt longer than its sliding window, see Blender.refusal) falls back the same way."""
         kv = self.core.kv
         fetch = inp.params.prompt_logprobs is None  # prompt logprobs: the whole prompt is computed
         budget = inp.quality_budget.over(self.core.quality_budget)
@@ -107,10 +108,15 @@ class RequestPreparer:
                         blend_path = LossyPath(self.core.blender.config.namespace(namespace, ratio), "blend",
                                                None if namespace.storage == EXACT else spec, ratio, budget)
                         spans = tuple((d.start, d.end) for d in resolved.documents)
-                        served, ticket = self._admit(blend_path, fallbacks, spans)
-                        guard = ticket or guard
-                        if not served:
+                        refusal = self.core.blender.refusal(len(prompt))
+                        if refusal:  # not the guardrail's call: this model cannot blend this prompt
+                            fallbacks.append(f"{blend_path.namespace.storage}: {refusal}")
                             ratio = 1.0
+                        else:
+                            served, ticket = self._admit(blend_path, fallbacks, spans)
+                            guard = ticket or guard
+                            if not served:
+                                ratio = 1.0
                     with trace.use_span(fetch_span, end_on_exit=False):
                         blend, doc_exports = await plan_documents(resolved, kv, namespace, ratio if fetch else 1.0,
                                                                   self.start_probe, spec)

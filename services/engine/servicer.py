@@ -281,9 +281,11 @@ def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoRe
     """The GetModelInfo answer for this engine."""
     mc = core.loaded.config
     return engine_pb2.GetModelInfoResponse(
-        model=cfg.served_name, weights_digest=core.loaded.weights_digest,
+        model=cfg.model_name, weights_digest=core.loaded.weights_digest,
         max_model_len=core.sched_config.max_model_len, vocab_size=mc.vocab_size,
         dtype=dtype_to_proto(cfg.dtype), weights=weight_format_to_proto(cfg.weight_format),
         block_size=core.runner.block_size, num_blocks=core.runner.num_blocks,
         eos_token_ids=list(mc.eos_token_ids), device=str(core.runner.device),
-        kv_namespace=namespace_to_proto(core.request_namespace()))
+        kv_namespace=namespace_to_proto(core.request_namespace()),
+        tokenizer_fingerprint=core.loaded.tokenizer.fingerprint() if core.loaded.tokenizer is not None else "",
+        model_source=core.loaded.source)

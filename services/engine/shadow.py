@@ -12,10 +12,13 @@ logits along a served answer, and for a replay the lossy ones, recomputed offlin
         the last whole block before the last prompt token), each chunk's keys un-rotated, encoded
         and decoded with the path's codec and rotated back -- what kv_transfer exports and
         kv_connector fetches;
-      - blend: each document's KV computed alone (segment_kv, as ingest stores it), its chunks
+      - blend: each document's KV computed alone (as segment_kv computes it, as ingest stores it), its chunks
         through the codec if the documents are stored lossy, blended into the prompt at the
         path's ratio (blend_prefill), up to the last whole block before the last prompt token --
         what services/engine/blending imports.
+Both recompute densely and attend fully (kvmesh.kv.blend): on a model with a sliding window, a
+check whose prompt and answer do not fit in the window measures nothing (run gives None) rather
+than compare against what the model does not compute.
 Runs on the step loop, between steps: it owns the model then.
 """
 from __future__ import annotations
@@ -25,11 +28,11 @@ from typing import Optional
 import torch
 
 from kvmesh.kv import codec
-from kvmesh.kv.blend import Segment, blend_prefill, continuation_logits, segment_kv
+from kvmesh.kv.blend import Segment, blend_prefill, continuation_logits
 from kvmesh.kv.keys import document_chunks
 from kvmesh.kv.quality import Comparison, compare
 from kvmesh.kv.rope import rotate_keys, unrotate_keys
-from kvmesh.services.engine.blending import BlendConfig
+from kvmesh.services.engine.blending import BlendConfig, attention_window
 from kvmesh.services.engine.guardrail import GuardTicket, ShadowCheck
 
 Kv = tuple[torch.Tensor, torch.Tensor]
@@ -44,7 +47,10 @@ class ShadowChecker:
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         """The KV service's chunk size (None: no KV service, nothing to replay for a codec)."""
-        self.blend = blend
+        self.blend = blend.for_model(model.config.num_layers)
+        """As the engine's Blender derives it: select_layers fits the model (also for the dense
+        prefills, which kvmesh.kv.blend validates the same way)."""
+        self.window = attention_window(model.config)
 
     @torch.inference_mode()
     def run(self, check: ShadowCheck) -> Optional[Comparison]:
@@ -53,6 +59,8 @@ class ShadowChecker:
         prompt, answer = list(check.prompt_token_ids), list(check.answer_token_ids)
         if not prompt or not answer:
             return None
+        if self.window is not None and len(prompt) + len(answer) > self.window:
+            return None  # the dense recompute attends fully: past the window it is not this model
         exact, prompt_kv = self.exact(prompt, answer)
         if check.lossy_logits is not None:
             lossy = check.lossy_logits
@@ -67,8 +75,13 @@ class ShadowChecker:
     def exact(self, prompt: list[int], answer: list[int]) -> tuple[torch.Tensor, Kv]:
         """The answer's exact logits rows [len(answer), vocab] float32 (row i: after the prompt
         and answer[:i]), and the prompt's exact KV: a dense prefill that reuses nothing."""
-        res = blend_prefill(self.model, [Segment.new(prompt)], 1.0)
+        res = self._dense(prompt)
         return continuation_logits(self.model, res.k, res.v, res.logits, answer), (res.k, res.v)
+
+    def _dense(self, token_ids: list[int]):
+        """A plain prefill of `token_ids` (blend_prefill at ratio 1, no cached segment)."""
+        return blend_prefill(self.model, [Segment.new(token_ids)], 1.0, self.blend.select_layers,
+                             self.blend.selection)
 
     def _continue(self, prefix: Kv, prompt: list[int], answer: list[int]) -> torch.Tensor:
         """Logits rows [len(answer), vocab] of the answer when the prompt's first n positions'
@@ -122,7 +135,8 @@ class ShadowChecker:
             if a > pos:
                 segments.append(Segment.new(prompt[pos:a]))
             doc = prompt[a:b]
-            k, v = segment_kv(self.model, doc)  # position-free keys, as ingest stores them
+            alone = self._dense(doc)  # the document's KV computed alone, as ingest stores it
+            k, v = unrotate_keys(alone.k, 0, self.model.rotary), alone.v  # position-free keys
             for s, e, _ in document_chunks(doc, self.chunk_tokens, ns):
                 ck, cv = k[:, s:e], v[:, s:e]
                 if path.codec is not None:

@@ -6,10 +6,13 @@ import dataclasses
 import logging
 import sys
 
+from kvmesh.config import ConfigError
+from kvmesh.model.tokenizer import read_chat_template
 from kvmesh.rpc.client import make_channel
 from kvmesh.rpc.entry import Service, serve_main
 from kvmesh.services.gateway.config import GatewayConfig
 from kvmesh.services.gateway.metrics import GatewayMetrics
+from kvmesh.services.gateway.model_check import check_upstream_tokenizer
 from kvmesh.services.gateway.prompts import load_tokenizer
 from kvmesh.services.gateway.server import GatewayServer, build_gateway
 from kvmesh.telemetry import Telemetry
@@ -21,7 +24,19 @@ async def build(cfg: GatewayConfig, telemetry: Telemetry) -> Service:
     """The gateway with its HTTP server already listening (before the gRPC one, so gRPC health
     SERVING means both are up)."""
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
+    if cfg.chat_template is not None:
+        try:
+            tokenizer = tokenizer.with_chat_template(read_chat_template(cfg.chat_template))
+        except ValueError as e:
+            raise SystemExit(f"kvmesh-gateway: {e} (KVMESH_GATEWAY_CHAT_TEMPLATE)") from None
+        log.info("chat template: from --chat-template")
     channel = make_channel(cfg.router_address)
+    try:  # refuse to serve prompts tokenized for another model than the engines'
+        await check_upstream_tokenizer(channel, tokenizer, cfg.model, cfg.model_check_timeout_s)
+    except ConfigError as e:
+        await channel.close()
+        log.error("%s", e)
+        raise SystemExit(f"kvmesh-gateway: {e}") from None
     gateway = build_gateway(cfg, tokenizer, channel, GatewayMetrics(telemetry.registry))
     server = GatewayServer(cfg, gateway, telemetry)
     if cfg.open_to_network_without_keys:

@@ -16,7 +16,9 @@ class GatewayConfig:
     """Everything the gateway needs to start; see `python -m kvmesh.services.gateway --help`."""
 
     router_address: str = setting("127.0.0.1:50081", "host:port of the router service (the gateway's only upstream).")
-    model: str = setting("bundled", "Tokenizer source: 'bundled' (SmolLM2 GGUF), a .gguf path or a Hugging Face folder; only the tokenizer and chat template are read, never the weights.")
+    model: str = setting("bundled", "Tokenizer source: 'bundled' (SmolLM2 GGUF), a .gguf path or a Hugging Face folder; only the tokenizer and chat template are read, never the weights. Must tokenize like the engines' --model: checked at start (--model-check-timeout-s).")
+    chat_template: Optional[str] = setting(None, "Chat template overriding the model's own: a path to a Jinja file, or the template itself (as vLLM's --chat-template). Unset = the model's (tokenizer_config.json, chat_template.jinja or GGUF metadata).")
+    model_check_timeout_s: float = setting(10.0, "At start, wait this long for the router's model list and refuse to start when an engine tier's tokenizer differs from the gateway's; a router that does not answer in time is logged and the gateway starts unchecked. 0 = no check.", min=0.0)
     http_host: str = setting("127.0.0.1", "Address the OpenAI-compatible HTTP server binds (loopback by default).")
     http_port: int = setting(8000, "HTTP port; 0 picks a free one (printed at start).", min=0, max=65535)
     server: ServerSettings = ServerSettings(port=50051)
@@ -34,6 +36,9 @@ class GatewayConfig:
     trace_content: bool = setting(False, "Record prompts and completions in trace spans (gen_ai.prompt, gen_ai.completion). Off by default: traces then carry token counts, never text.")
 
     def validate(self) -> None:
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ConfigError("--chat-template is empty; give a Jinja file or the template text, or unset it "
+                              "(KVMESH_GATEWAY_CHAT_TEMPLATE)")
         if ":" not in self.router_address:
             raise ConfigError(f"--router-address {self.router_address!r} needs a port, e.g. 127.0.0.1:50081 "
                               "(KVMESH_GATEWAY_ROUTER_ADDRESS)")

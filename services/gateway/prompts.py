@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvmesh.model.tokenizer import Tokenizer
@@ -37,20 +36,12 @@ _THREAD_CHARS = 16384  # longer texts are tokenized off the event loop
 
 def load_tokenizer(source: str) -> Tokenizer:
     """The tokenizer of `source`: 'bundled', a .gguf file, or a Hugging Face folder."""
-    from kvmesh.model.bundled import bundled_gguf_path, folder_tokenizer
+    from kvmesh.model.bundled import source_tokenizer
 
-    if source != "bundled" and Path(source).is_dir():
-        return folder_tokenizer(source)
-    path = bundled_gguf_path() if source == "bundled" else Path(source)
-    if path.suffix != ".gguf" or not path.is_file():
-        raise FileNotFoundError(f"tokenizer source {source!r} is neither 'bundled', a .gguf file "
-                                "nor a Hugging Face folder; pass --model")
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
-    log.info("tokenizer from %s (%d tokens)", path, len(meta.get("tokenizer.ggml.tokens") or ()))
-    return Tokenizer.from_gguf_metadata(meta)
+    try:
+        return source_tokenizer(source)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"tokenizer {e}; pass --model") from None
 
 
 DOCUMENT_SEPARATOR = "\n\n"

@@ -27,10 +27,13 @@ _ERRORS: dict[grpc.StatusCode, type[errors.KvmeshError]] = {
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What a replica serves: the model name and its context length (0 = unknown)."""
+    """What a replica serves: the model name and its context length (0 = unknown), and for a
+    kvmesh engine its tokenizer fingerprint and model source (empty = unknown)."""
 
     root: str
     max_model_len: int
+    tokenizer_fingerprint: str = ""
+    model_source: str = ""
 
 
 class BackendError(Exception):
@@ -121,7 +124,7 @@ class EngineBackend:
                                                  timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
-        return ModelInfo(info.model, info.max_model_len)
+        return ModelInfo(info.model, info.max_model_len, info.tokenizer_fingerprint, info.model_source)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -238,7 +238,9 @@ class Router:
         cards = [router_pb2.ModelCard(
             id=n, root=infos[n].root if infos[n] else "",
             max_model_len=infos[n].max_model_len if infos[n] else 0,
-            kind=router_pb2.MODEL_KIND_TIER, tiers=[n])
+            kind=router_pb2.MODEL_KIND_TIER, tiers=[n],
+            tokenizer_fingerprint=infos[n].tokenizer_fingerprint if infos[n] else "",
+            model_source=infos[n].model_source if infos[n] else "")
             for n in names]
         for c in self.topology.cascades:
             known = [infos[t] for t in c.tiers]

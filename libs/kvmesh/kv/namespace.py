@@ -6,10 +6,12 @@ document catalog, the KV service, the command-line tools -- builds its 16-byte d
 `KvNamespace` value through `KvNamespace.digest`, and nowhere else. Two KV entries can only match
 when every field is equal:
 
-* ``model_identity``: a digest of the weights, their format and dtype (and the layer cut of a
-  truncated model): a changed model never reads stale KV (kvmesh.model.loader.LoadedModel.identity);
+* ``model_identity``: a digest of the weights, their format and dtype, and the architecture
+  (family, shape, RoPE type and scaling, biases, sliding window; and the layer cut of a truncated
+  model): a changed model never reads stale KV (kvmesh.model.loader.LoadedModel.identity);
 * ``layout``: layers, KV heads, head dim, KV dtype and the RoPE convention and parameters of
-  stored keys, so KV of another shape or rotation never matches;
+  stored keys, scaling included (kvmesh.kv.rope.stored_keys_rope), so KV of another shape or
+  rotation never matches;
 * ``storage``: ``"exact"`` for KV bit-identical to what the engine computes, otherwise the name of
   the lossy format that made it (a quantizing codec with its parameters, a blend): exact and lossy
   KV never mix, and two lossy formats never pass for each other;

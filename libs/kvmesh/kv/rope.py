@@ -10,15 +10,27 @@ pre-RoPE (keys only quantized); int2 keys and values +32% -> +18%. A stored chun
 usable at any position (blending re-rotates it to where it lands).
 
 Rotation is exact up to float32 rounding (round trip error ~4e-6 on this model's keys).
+
+The rotation is the model's own (``model.rotary``: its base and RoPE scaling -- linear, dynamic,
+llama3), so a key un-rotated here and rotated again lands where the model itself would put it;
+`stored_keys_rope` names that rotation in the KV layout, so keys un-rotated under one scaling are
+never read back under another.
 """
 from __future__ import annotations
 
 import torch
 
+from kvmesh.model.config import ModelConfig
 from kvmesh.model.llama import RotaryEmbedding, apply_rope
 
 STORED_KEYS = "pre-rope-hf"
 """KvLayout.rope of chunks stored this way (HF rotate-half convention, un-rotated)."""
+
+
+def stored_keys_rope(config: ModelConfig) -> str:
+    """KvLayout.rope of a model's stored keys: the convention plus every parameter of its rotation
+    (base, scaling type and parameters), e.g. ``pre-rope-hf theta=500000 llama3 factor=8 ...``."""
+    return f"{STORED_KEYS} {config.rope_description()}"
 
 
 def _tables(rotary: RotaryEmbedding, start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:

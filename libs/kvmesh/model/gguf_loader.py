@@ -1,5 +1,10 @@
-"""Load a llama-architecture GGUF file: dequantize to float32, undo llama.cpp's q/k permutation,
+"""Load a GGUF file of the llama (Llama 2/3/3.1+, Mistral) or qwen2 (Qwen2, Qwen2.5) architecture:
+dequantize to float32, undo llama.cpp's q/k permutation (llama only: qwen2 keeps HF's order),
 rename to HF names, and cache the result as an HF-style folder so a restart skips all of it.
+
+RoPE scaling comes from ``<arch>.rope.scaling.*`` (linear) or from the ``rope_freqs.weight``
+tensor llama.cpp writes for Llama 3.1's llama3 scaling (kept as per-frequency divisors); other
+scaling types (YaRN, LongRoPE) are refused.
 
 NOTE (cache). Parsing the GGUF metadata alone takes seconds (one Python object per vocabulary
 entry) and dequantizing more, so the converted checkpoint is written once to
@@ -19,7 +24,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -29,11 +34,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvmesh.model.bundled import default_cache_dir
-from kvmesh.model.config import ModelConfig
+from kvmesh.model.config import SUPPORTED, ModelConfig, RopeScaling, UnsupportedModelError
 from kvmesh.model.hf_loader import Checkpoint, load_hf_folder, sha256_file
 from kvmesh.model.tokenizer import Tokenizer
 
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -51,7 +56,10 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+"""``general.architecture`` values that load, and their family (Mistral files say llama)."""
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def hf_name(gguf_name: str) -> str:
@@ -60,8 +68,8 @@ def hf_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a llama model")
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a llama-family model")
 
 
 def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -70,9 +78,9 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     HF orders each head's rows as [first half | second half] of the rotary pairs; llama.cpp
     interleaves them (row 2i, 2i+1 = pair i). w: [n_heads*head_dim, in].
     """
-    rows, cols = w.shape
+    rows = w.shape[0]
     half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -80,50 +88,86 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str],
+                         rope_freqs: tuple[float, ...] = ()) -> ModelConfig:
+    """The ModelConfig of a GGUF file's metadata; UnsupportedModelError for an architecture or RoPE
+    scaling this model code does not run. ``rope_freqs``: the values of its rope_freqs.weight."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} unsupported (only 'llama')")
-    if any(k.startswith("llama.rope.scaling") for k in meta) or "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF with RoPE scaling is not supported")
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    head_dim = int(meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // heads)
-    vocab = int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(ARCHITECTURES)} ({SUPPORTED})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads)
+    vocab = int(key("vocab_size") or len(meta["tokenizer.ggml.tokens"]))
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    window = key("attention.sliding_window")
+    family = ARCHITECTURES[arch]
+    if family == "llama" and window:
+        family = "mistral"  # llama.cpp writes Mistral as llama; a window is Mistral's
+    has_bias = "blk.0.attn_q.bias" in tensor_names
     return ModelConfig(
-        name=str(meta.get("general.name") or "gguf-llama"),
+        name=str(meta.get("general.name") or f"gguf-{arch}"),
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_layers=int(meta["llama.block_count"]),
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
         num_heads=heads,
-        num_kv_heads=int(meta.get("llama.attention.head_count_kv") or heads),
+        num_kv_heads=int(key("attention.head_count_kv") or heads),
         head_dim=head_dim,
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        max_position_embeddings=int(meta["llama.context_length"]),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        family=family,
+        qkv_bias=has_bias,
+        o_bias=has_bias and "blk.0.attn_output.bias" in tensor_names,
+        rope_scaling=_rope_scaling(key, rope_freqs),
+        sliding_window=int(window) if window and family == "mistral" else None,
     )
+
+
+def _rope_scaling(key: Callable[..., Any], rope_freqs: tuple[float, ...]) -> RopeScaling | None:
+    kind = key("rope.scaling.type", "none")
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    if rope_freqs:
+        if kind not in ("none", "linear") or (kind == "linear" and factor not in (0.0, 1.0)):
+            raise UnsupportedModelError(f"GGUF with both rope_freqs and rope scaling {kind!r} is not supported")
+        return RopeScaling("llama3", freq_factors=rope_freqs)
+    if kind == "none" or (kind == "linear" and factor in (0.0, 1.0)):
+        return None
+    if kind != "linear":
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported; supported: linear and "
+                                    "llama3 (rope_freqs)")
+    return RopeScaling("linear", factor)
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path, *, progress: bool = True) -> ModelConfig:
     """Dequantize ``path`` into an HF-style checkpoint folder ``out_dir`` (must exist, empty)."""
     reader = GGUFReader(str(path))
     meta = read_metadata(reader)
-    config = config_from_metadata(meta, {t.name for t in reader.tensors})
+    # numpy shape is GGUF's reversed: [out_features, in_features] like torch Linear.
+    tensors = {t.name: t for t in reader.tensors}
+    freqs = tensors.pop(ROPE_FREQS, None)
+    rope_freqs = () if freqs is None else tuple(
+        float(f) for f in np.array(dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1))
+    config = config_from_metadata(meta, set(tensors) | ({ROPE_FREQS} if freqs is not None else set()), rope_freqs)
+    permuted = meta.get("general.architecture") == "llama"  # llama.cpp interleaves llama's q/k rows
     state: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="kvmesh: dequantizing GGUF", unit="tensor", file=sys.stderr,
+    for t in tqdm(tensors.values(), desc="kvmesh: dequantizing GGUF", unit="tensor", file=sys.stderr,
                   disable=not progress):
         name = hf_name(t.name)
-        # numpy shape is GGUF's reversed: [out_features, in_features] like torch Linear.
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        if name.endswith("q_proj.weight"):
+        if permuted and ".q_proj." in name:
             w = unpermute_rope(w, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and ".k_proj." in name:
             w = unpermute_rope(w, config.num_kv_heads)
         state[name] = w.contiguous()
     out_dir = Path(out_dir)

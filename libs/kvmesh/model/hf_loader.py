@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from kvmesh.model.config import ModelConfig
-from kvmesh.model.bundled import read_eos_ids
+from kvmesh.model.bundled import folder_digest, read_eos_ids, sha256_file, weight_files
 from kvmesh.model.tokenizer import Tokenizer
+
+__all__ = ["Checkpoint", "folder_digest", "load_hf_folder", "sha256_file", "weight_files"]
 
 # Tensors some checkpoints carry that the model recomputes (RoPE tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -28,40 +29,8 @@ class Checkpoint:
     digest: str  # sha256 hex identifying the source weights
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files: the index's shards if sharded, else every *.safetensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / s for s in shards]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder} (.bin checkpoints are not supported)")
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"shard {f} listed in the index is missing")
-    return files
-
-
-def folder_digest(files: list[Path]) -> str:
-    """sha256 over (name, sha256) of each weight file: changes whenever any weight byte does."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
-    return h.hexdigest()
-
-
 def load_hf_folder(folder: str | Path, *, digest: str | None = None, name: str = "") -> Checkpoint:
-    """Read an HF Llama checkpoint folder into a Checkpoint.
+    """Read an HF checkpoint folder of a supported family into a Checkpoint.
 
     ``digest`` overrides the computed weights digest (the GGUF loader passes the GGUF file's
     sha256 for the folder it converted the file into).

@@ -1,5 +1,8 @@
-"""Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU) with a paged-KV entry point for the engine
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) with a paged-KV entry point for the engine
 and a dense, cache-free entry point for perplexity and tests.
+
+One module serves Llama 2/3/3.1+, Mistral and Qwen2/2.5: their differences are switches of
+ModelConfig (q/k/v and output biases, a per-layer sliding window, RoPE scaling, tied embeddings).
 
 Checkpoints arrive with HF's parameter names (``model.layers.{i}.self_attn.q_proj.weight`` ...);
 ``load_weights`` fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (rows
@@ -14,13 +17,14 @@ activation dtype, SDPA with scale head_dim**-0.5), which is what the parity test
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.model.attention import AttentionMetadata, KVCache, paged_attention
-from kvmesh.model.config import ModelConfig
+from kvmesh.model.config import ModelConfig, RopeScaling
 from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel
 
 
@@ -29,15 +33,17 @@ class Linear(nn.Linear):
     with its drafts) run kvmesh.model.native's skinny kernel: it streams the weights once for all
     rows, so verifying 7 drafts costs ~1.5x a plain decode's matmuls instead of MKL's ~2.3x, and a
     row's result does not depend on the other rows (the same bits alone or beside its drafts).
-    Anything else -- more rows, other dtypes or devices, autograd, no kernel -- is F.linear."""
+    Anything else -- more rows, other dtypes or devices, autograd, no kernel -- is F.linear. A bias
+    (Qwen2's q/k/v) is added after the kernel, so rows stay independent of each other."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[0] <= LINEAR_ROWS and x.dtype == torch.float32 and self.bias is None
+        if (x.dim() == 2 and x.shape[0] <= LINEAR_ROWS and x.dtype == torch.float32
                 and x.device.type == "cpu" and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
                 and not (torch.is_grad_enabled() and self.weight.requires_grad)):
             kernel = linear_rows_kernel()
             if kernel is not None:
-                return kernel(x.contiguous(), self.weight)
+                out = kernel(x.contiguous(), self.weight)
+                return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -61,24 +67,54 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, computed from positions exactly like HF's default rope.
+    """cos/sin tables for RoPE, computed from positions exactly like HF's rope of the same type
+    (default, linear, dynamic, llama3; see kvmesh.model.config.RopeScaling).
 
     inv_freq is not a registered buffer: ``model.to(torch.bfloat16)`` would round it, and HF
     computes the angles in fp32 regardless of the model dtype. It is cached per device instead.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                 max_position_embeddings: int = 0) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.theta = theta
+        self.scaling = scaling
+        self.theta = theta if scaling is None else scaling.scaled_theta(theta, head_dim, max_position_embeddings)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> RotaryEmbedding:
+        """The rotary embedding of a model config (its head, base and scaling)."""
+        return cls(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+
+    def inv_freq(self) -> torch.Tensor:
+        """[head_dim/2] fp32 inverse frequencies on the CPU (HF's op order, then the scaling)."""
+        exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(torch.float) / self.head_dim
+        inv = 1.0 / (self.theta ** exps)
+        s = self.scaling
+        if s is None or s.rope_type == "dynamic":
+            return inv
+        if s.freq_factors:
+            if len(s.freq_factors) != inv.numel():
+                raise ValueError(f"rope freq_factors has {len(s.freq_factors)} entries; a head of {self.head_dim} "
+                                 f"needs {inv.numel()}")
+            return inv / torch.tensor(s.freq_factors, dtype=torch.float32)
+        if s.rope_type == "linear":
+            return inv / s.factor
+        # llama3: keep high frequencies, divide low ones by factor, interpolate in between
+        old = s.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
 
     def _inv(self, device: torch.device) -> torch.Tensor:
         inv = self._inv_freq.get(device)
         if inv is None:
-            exps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(torch.float) / self.head_dim
-            inv = (1.0 / (self.theta ** exps)).to(device)  # [head_dim/2] fp32
-            self._inv_freq[device] = inv
+            inv = self._inv_freq[device] = self.inv_freq().to(device)  # [head_dim/2] fp32
         return inv
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,16 +137,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class LlamaAttention(nn.Module):
     """GQA self-attention's projections and dense causal attention; the paged attention over the
-    engine's cache is LlamaDecoderLayer.forward's."""
+    engine's cache is LlamaDecoderLayer.forward's. ``window``: this layer's sliding window (keys
+    a query sees, itself included), None = full causal attention."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.window = window
         # rows: q heads, then k heads, then v heads (each head_dim rows)
         self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
-                                  bias=False)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+                               bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x: [..., T, hidden] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd] (q, k rotated)
@@ -125,7 +163,13 @@ class LlamaAttention(nn.Module):
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, heads|kvh, T, hd]
         g = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # HF repeat_kv order
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if self.window is not None and t > self.window:
+            pos = torch.arange(t, device=q.device)
+            rel = pos[:, None] - pos[None, :]  # query - key
+            mask = (rel >= 0) & (rel < self.window)  # [T, T]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return o.transpose(1, 2).reshape(b, t, -1)
 
 
@@ -145,9 +189,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, cfg.window_of(layer))
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -167,7 +211,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, attn) -> torch.Tensor:
         # x: [T, hidden] (flattened batch) -> [T, hidden]
         q, k, v = self.attention_inputs(x, cos, sin)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.self_attn.scale)  # [T, heads, hd]
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.self_attn.scale,
+                            window=self.self_attn.window)  # [T, heads, hd]
         return self.attention_outputs(x, o.reshape(x.shape[0], -1))
 
     def forward_dense(self, x, cos, sin) -> torch.Tensor:
@@ -181,7 +226,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -190,15 +235,17 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
 
 
 def fuse_projections(state_dict: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """HF names -> this model's: per layer, q/k/v rows concatenated into qkv_proj and gate/up into
-    gate_up_proj. Missing parts are left unfused, so ``load_weights`` reports them by HF name."""
+    """HF names -> this model's: per layer, q/k/v rows (weights, and biases where present)
+    concatenated into qkv_proj and gate/up into gate_up_proj. Missing parts are left unfused, so
+    ``load_weights`` reports them by HF name."""
     out = dict(state_dict)
     for i in range(num_layers):
         prefix = f"model.layers.{i}."
         for fused, parts in _FUSED.items():
-            names = [f"{prefix}{p}.weight" for p in parts]
-            if all(n in out for n in names):
-                out[f"{prefix}{fused}.weight"] = torch.cat([out.pop(n) for n in names], dim=0)
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{p}.{kind}" for p in parts]
+                if all(n in out for n in names):
+                    out[f"{prefix}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
     return out
 
 
@@ -212,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding.of(config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -255,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):  # a shell: every module with weights is replaced below
             cut = LlamaForCausalLM(config)
         cut.model.embed_tokens = self.model.embed_tokens
-        cut.model.layers = nn.ModuleList(list(self.model.layers)[:num_layers])
+        cut.model.layers = nn.ModuleList(list(self.model.layers)[:num_layers])  # windows per layer kept
         cut.model.norm = self.model.norm
         cut.lm_head = self.lm_head  # tied or not, as in this model
         cut.rotary = self.rotary

@@ -49,9 +49,10 @@ class LoadedModel:
 
     @property
     def identity(self) -> str:
-        """sha256 hex over digest + weight format + dtype (+ the layer cut of a truncated model):
-        equal only when the KV it computes is equal."""
-        described = f"{self.weights_digest}|{self.weights}|{self.dtype}"
+        """sha256 hex over digest + weight format + dtype + architecture (family, shape, RoPE type
+        and scaling, biases, window; a folder's digest covers its weights, not its config.json)
+        (+ the layer cut of a truncated model): equal only when the KV it computes is equal."""
+        described = f"{self.weights_digest}|{self.weights}|{self.dtype}|{self.config.architecture_description()}"
         if self.source_num_layers is not None:
             described += f"|first {self.config.num_layers} of {self.source_num_layers} layers"
         return hashlib.sha256(described.encode()).hexdigest()

@@ -119,9 +119,9 @@ def _int_mm_works(device: torch.device, k: int, n: int) -> bool:
 
 
 class QuantLinear(nn.Module):
-    """Bias-free Linear with int8 (per-channel, symmetric) or int4 (group-wise, asymmetric) weights;
+    """Linear with int8 (per-channel, symmetric) or int4 (group-wise, asymmetric) weights;
     mode ``int4-w8a8`` adds a W8A8Linear of the same weight for matmuls of more than
-    SMALL_BATCH rows (see the NOTE)."""
+    SMALL_BATCH rows (see the NOTE). A bias (Qwen2's q/k/v) stays unquantized, added after."""
 
     def __init__(self, in_features: int, out_features: int, mode: str, group_size: int = INT4_GROUP) -> None:
         super().__init__()
@@ -133,13 +133,14 @@ class QuantLinear(nn.Module):
         self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None  # (packed weight, bf16 scales)
         self._kernel_device: torch.device | None = None
         self.large: W8A8Linear | None = None
+        self.register_buffer("bias", None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = INT4_GROUP,
                     smooth: torch.Tensor | None = None) -> QuantLinear:
-        if linear.bias is not None:
-            raise ValueError("QuantLinear supports bias-free Linear only")
         q = cls(linear.in_features, linear.out_features, mode, group_size)
+        if linear.bias is not None:
+            q.bias = linear.bias.detach().clone()
         w = linear.weight.detach().float()  # [N, K]
         if mode == "int8":
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
@@ -225,6 +226,8 @@ class QuantLinear(nn.Module):
             y = self.large(x2)
         else:
             y = F.linear(x2, self.dequantize(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)
 
 

@@ -1,7 +1,7 @@
 """Tokenizer: text <-> token ids, chat templates, and incremental detokenization for streaming.
 
-One class wraps a Rust ``tokenizers.Tokenizer`` built either from GGUF metadata (byte-level BPE)
-or from an HF folder (``tokenizer.json`` + ``tokenizer_config.json``), so the gateway and the engine
+One class wraps a Rust ``tokenizers.Tokenizer`` built either from GGUF metadata (byte-level or
+SentencePiece BPE, kvmesh.model.gguf_tokenizer) or from an HF folder (``tokenizer.json`` + ``tokenizer_config.json``), so the gateway and the engine
 never care where the model came from.
 """
 
@@ -19,24 +19,15 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import decoders
 
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
+from kvmesh.model.gguf_tokenizer import backend_from_gguf, byte_alphabet
 
-
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+_byte_alphabet = byte_alphabet  # the name tests and older callers import
+_PROBE = ("The quick brown fox, 1,234 times in 2025: don't stop! I'LL see.\n\tcode() -> {x: [1, 2.5]}  "
+          "Grüße aus Köln, e\u0301t\u00e9, 東京 👋🏽 \u00a0end  ")
+"""Text whose ids `Tokenizer.fingerprint` covers: contractions, digits, whitespace runs, accents
+(composed and not), CJK and emoji, where pre-tokenizers and normalizers differ."""
 
 
 @lru_cache(maxsize=1)
@@ -77,52 +68,19 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """Build from a GGUF file's ``tokenizer.*`` metadata (values as plain Python objects).
-
-        Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported. The ``smollm``
-        pre-tokenizer (like llama.cpp's) splits every digit on its own, then applies GPT-2's
-        byte-level regex; other ``pre`` values get the plain GPT-2 regex.
-        """
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} unsupported (only byte-level BPE 'gpt2')")
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        alphabet = set(_byte_alphabet().values())
-        bmap = _byte_alphabet()
-        # A token spelled outside the byte alphabet (rare, llama.cpp writes some control tokens
-        # that way) is re-spelled byte-wise so the BPE vocabulary stays consistent.
-        vocab = {
-            t if set(t) <= alphabet else "".join(bmap[b] for b in t.encode("utf-8")): i
-            for i, t in enumerate(tokens)
-        }
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if meta.get("tokenizer.ggml.pre") == "smollm":
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        backend.post_processor = processors.ByteLevel(trim_offsets=False)
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-             if ty == _TOKEN_TYPE_CONTROL]
-        )
-        backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-             if ty == _TOKEN_TYPE_USER_DEFINED]
-        )
+        """Build from a GGUF file's ``tokenizer.*`` metadata (values as plain Python objects):
+        byte-level BPE with a pre-tokenizer llama.cpp knows, or SentencePiece BPE; anything else
+        is refused (kvmesh.model.gguf_tokenizer)."""
+        backend = backend_from_gguf(meta)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+        add_bos_default = meta.get("tokenizer.ggml.model") == "llama"  # SentencePiece models start with <s>
         return cls(
             backend,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
         )
 
     @classmethod
@@ -155,13 +113,42 @@ class Tokenizer:
         eos = token_id("eos_token")
         if eos_token_ids is None:
             eos_token_ids = [] if eos is None else [eos]
+        bos = token_id("bos_token")
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None and bos is not None:
+            # No flag (Llama 3's folders): the BOS is added by tokenizer.json's post-processor when
+            # it puts one in front of an encode that lacks it, as HF's encode would.
+            plain = backend.encode("a", add_special_tokens=False).ids
+            add_bos = backend.encode("a", add_special_tokens=True).ids[:1] == [bos] and plain[:1] != [bos]
         return cls(
             backend,
-            bos_token_id=token_id("bos_token"),
+            bos_token_id=bos,
             eos_token_ids=eos_token_ids,
             chat_template=template,
-            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            add_bos_token=bool(add_bos),
         )
+
+    def with_chat_template(self, template: str | None) -> Tokenizer:
+        """This tokenizer with another chat template (``--chat-template``); None keeps its own."""
+        if template is None:
+            return self
+        return Tokenizer(self._tok, bos_token_id=self._bos_id, eos_token_ids=self._eos_ids,
+                         chat_template=template, add_bos_token=self._add_bos)
+
+    def fingerprint(self) -> str:
+        """sha256 hex of what decides token ids: the vocabulary in id order, which ids are special,
+        BOS/EOS and whether a BOS is added, and the ids of a fixed probe text (splitting,
+        normalization, merges). Equal for two processes that tokenize alike, whichever file each
+        read (an HF folder or the GGUF of the same model). The chat template is not part of it
+        (``--chat-template`` may differ between processes)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        size = self.vocab_size
+        h.update(json.dumps([self._tok.id_to_token(i) for i in range(size)], ensure_ascii=False).encode())
+        h.update(json.dumps([sorted(self._special_ids), self._bos_id, list(self._eos_ids), self._add_bos,
+                             self._tok.encode(_PROBE, add_special_tokens=False).ids]).encode())
+        return h.hexdigest()
 
     def save_hf(self, folder: str | Path) -> None:
         """Write ``tokenizer.json`` + ``tokenizer_config.json`` (loadable by from_hf_folder and HF)."""
@@ -260,6 +247,21 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+
+
+def read_chat_template(value: str) -> str:
+    """A ``--chat-template`` value as the template text: the contents of the file it names, or the
+    value itself when it is a template (as vLLM). ValueError for a file name that does not exist."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a long template string is not a valid path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template; give the path of a "
+                     ".jinja file or the template text")
 
 
 def _compile_template(source: str) -> jinja2.Template:
