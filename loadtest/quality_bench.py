@@ -335,7 +335,8 @@ class _Measure:
         t0 = time.perf_counter()
         self.weights = {fmt: load_model(loaded.source, dtype="float32", weights=fmt, progress=False)
                         for fmt in (WEIGHTS if "weights" in plan.paths else ())}
-        print(f"loaded the {', '.join(WEIGHTS)} models in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        if self.weights:
+            print(f"loaded the {', '.join(self.weights)} models in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         self._docs: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.seconds: dict[str, float] = {}
         self.flips = [0, 0]  # exact tokens whose two exact computations disagree on the argmax, of all

@@ -189,11 +189,11 @@ async def test_int8_and_exact_reuse_are_never_disabled_over_1000_requests(bundle
         eng.shutdown()
     assert all(final.reuse_fallback == "" for _, final in results)
     storages = [final.reuse_storage for _, final in results]
-    assert storages.count(EXACT) == 200 and all(s.startswith("int8-") for s in storages if s != EXACT)
+    assert storages.count(EXACT) == 200 and all(s.startswith("int8c-") for s in storages if s != EXACT)
     reused = [final.usage.imported_prompt_tokens > 0 for _, final in results]
     assert sum(reused) >= 900  # each of the 24 openings is stored once per namespace, then reused
     (path,) = report.paths  # exact reuse is not a lossy path: never guarded, never refused
-    assert path.namespace.storage.startswith("int8-")
+    assert path.namespace.storage.startswith("int8c-")
     assert path.enabled and path.disabled_count == 0 and path.fallbacks == 0 and path.served == 800
     assert path.checks >= 10 and report.dropped_checks == 0 and report.failed_checks == 0
     assert path.kl < DEFAULT_BUDGET.max_kl / 10 and path.top1 >= DEFAULT_BUDGET.min_top1
@@ -262,7 +262,7 @@ async def test_get_guardrail_metrics_and_status_lines_report_every_path(tmp_path
     guard = core.guardrail
     bad = LossyPath(core.namespace.for_tenant("tenant:a").with_storage("int2-g64-r0-h1-o16"), "codec", None, None,
                     DEFAULT_BUDGET)
-    good = LossyPath(core.namespace.with_storage("int8-g64-r0-h0-o0"), "codec", None, None, DEFAULT_BUDGET)
+    good = LossyPath(core.namespace.with_storage("int8c-g16-r0-h1-o0"), "codec", None, None, DEFAULT_BUDGET)
     for _ in range(3):
         guard.admit(bad)
         guard.admit(good)
@@ -277,7 +277,7 @@ async def test_get_guardrail_metrics_and_status_lines_report_every_path(tmp_path
         lines = await asyncio.to_thread(_guardrail_lines, srv.address)
     assert resp.shadow_share == pytest.approx(0.02) and resp.pending_checks == 0
     by_storage = {p.namespace.storage: p for p in resp.paths}
-    b, g = by_storage["int2-g64-r0-h1-o16"], by_storage["int8-g64-r0-h0-o0"]
+    b, g = by_storage["int2-g64-r0-h1-o16"], by_storage["int8c-g16-r0-h1-o0"]
     assert b.state == engine_pb2.GUARD_STATE_DISABLED and b.namespace.tenant_salt == "tenant:a"
     assert (b.checks, b.served, b.fallbacks, b.disabled_count) == (2, 3, 1, 1)
     assert b.kl == pytest.approx(1.5) and b.top1 == pytest.approx(0.5)

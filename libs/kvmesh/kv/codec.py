@@ -5,19 +5,20 @@ A chunk is the attention KV of a fixed number of tokens of one sequence, all lay
 ``CODECS``, optionally followed by zstd; ``decode`` gives it back (or raises: a damaged blob is a
 miss, never garbage KV in an engine).
 
-NOTE (blob format, version 2, little-endian; version 1 is read too)::
+NOTE (blob format, version 3, little-endian; versions 1 and 2 are read too)::
 
     offset  size   field
     0       4      magic b"KVMB"
-    4       1      format version (2; 1 = the same without the two u16 fields at 48)
+    4       1      format version (3; 2 = the same, int8 keys per token; 1 = as 2 without the
+                   two u16 fields at 48)
     5       1      codec id: index into CODECS (0 fp16, 1 bf16, 2 int8, 3 int4, 4 int2, 5 fp32)
     6       1      flags: bit 0 = payload is one zstd frame; bit 1 = keys are at their sequence
                    positions (RoPE applied, as the engine holds them) instead of position-free;
                    other bits 0
     7       1      source dtype: 0 float32, 1 bfloat16, 2 float16
     8       16     shape L, T, H, D (4 x u32): layers, tokens, kv heads, head dim
-    24      4      group_size u32: tokens per key group / channels per value group (int4, int2);
-                   head_dim for int8 (per-token-per-head); 0 for fp16 / bf16
+    24      4      group_size u32: tokens per key group / channels per value group (int8, int4,
+                   int2; int8 of versions 1-2: head_dim, per token and head); 0 for raw floats
     28      4      residual u32: last tokens of the chunk stored as fp16 (0 for fp16 / bf16)
     32      16     namespace (model identity + KV layout + tenant salt; opaque here)
     48      2      head u16: first tokens of the chunk stored as fp16 (0 for fp16 / bf16)
@@ -37,13 +38,12 @@ Raw payload sections, in order (float arrays byte-shuffled into byte planes: eve
   keys: the outlier mask (``L*H*D`` bits, one per channel, packed; empty when m is 0), fp16
   scales, fp16 zeros and codes of the other ``D - m`` channels of each head, then fp16 scales,
   zeros and codes of the m marked channels at twice the bits (empty when m is 0); values: fp16
-  scales, zeros, codes. Codes are uint8 packed ``8 // bits`` per byte (lowest bits first). Keys of
-  int4/int2 are quantized per channel: codes ``[L, H, D - m, Q]`` and ``[L, H, m, Q]`` (channels
-  in ascending order within each set), scales per ``group`` tokens; values of int4/int2 per
-  token: codes ``[L, Q, C]``, scales ``[L, Q, ceil(C/group)]``; both of int8 per token and head:
-  codes ``[L, Q, C]``, scales ``[L, Q, H]`` (asymmetric: measured 0.0077/0.0057 relative error
-  on k/v, symmetric 0.011/0.0067). Then ``k, v [L, head, H, D]`` and ``k, v [L, residual, H, D]``
-  fp16.
+  scales, zeros, codes. Codes are uint8 packed ``8 // bits`` per byte (lowest bits first). Keys
+  are quantized per channel: codes ``[L, H, D - m, Q]`` and ``[L, H, m, Q]`` (channels in
+  ascending order within each set; m is 0 for int8), scales per ``group`` tokens; values per
+  token: codes ``[L, Q, C]``, scales ``[L, Q, ceil(C/group)]``. (int8 blobs of versions 1 and 2
+  hold keys as values, per token and head: codes ``[L, Q, C]``, scales ``[L, Q, H]``.) Then
+  ``k, v [L, head, H, D]`` and ``k, v [L, residual, H, D]`` fp16.
 
 NOTE (measurements): real KV of the bundled SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
 keys after RoPE), the first 1024 tokens of ``reference_text()`` as four 256-token chunks, defaults
@@ -92,11 +92,12 @@ from kvmesh.kv.namespace import EXACT
 CODECS = ("fp16", "bf16", "int8", "int4", "int2", "fp32")
 
 _MAGIC = b"KVMB"
-_VERSION = 2  # written; version 1 blobs (no head tokens, no key outlier channels) are still read
+_VERSION = 3  # written; versions 1 and 2 are still read (see the format NOTE)
 _FLAG_ZSTD = 1
 _FLAG_POSITIONED = 2
 _FIXED = {1: struct.Struct("<4sBBBB4III16s"),  # magic .. namespace, 48 bytes
-          2: struct.Struct("<4sBBBB4III16sHH")}  # + head tokens, key outlier channels: 52 bytes
+          2: struct.Struct("<4sBBBB4III16sHH"),  # + head tokens, key outlier channels: 52 bytes
+          3: struct.Struct("<4sBBBB4III16sHH")}  # as 2; int8 keys per channel (see the format NOTE)
 _HEADER_PREFIX = struct.Struct("<4sB")
 _U32 = struct.Struct("<I")
 _DIGEST = 16
@@ -104,7 +105,8 @@ _BITS = {"int8": 8, "int4": 4, "int2": 2}
 _RAW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 """Codecs that store every value as is in a float type (lossless when it is the source dtype)."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DEFAULT_HEAD = {"int2": 1}
+_DEFAULT_HEAD = {"int2": 1, "int8": 1}
+_DEFAULT_GROUP = {"int8": 16, "int4": 64, "int2": 64}
 _DEFAULT_KEY_OUTLIERS = {"int4": 0, "int2": 16}
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -125,9 +127,10 @@ class CodecSpec:
     """One of CODECS."""
     zstd: bool = True
     """Compress the payload with zstd (lossless)."""
-    group_size: int = 64
-    """int4/int2: tokens per key group and channels per value group (fp16 scale and zero per
-    group, so small groups cost bits: 32 bits / group_size per value). Ignored by fp16/bf16/int8."""
+    group_size: int | None = None
+    """int8/int4/int2: tokens per key group and channels per value group (fp16 scale and zero per
+    group, so small groups cost bits: 32 bits / group_size per value); None = the codec's default
+    (int8: 16, int4/int2: 64). Ignored by fp16/bf16/fp32."""
     residual: int = 0
     """int8/int4/int2: the most recent tokens of the chunk kept in fp16 (KIVI's full-precision
     window); capped at the chunk length."""
@@ -135,7 +138,7 @@ class CodecSpec:
     """zstd level 1..22; higher is slower to encode for little gain on quantized KV."""
     head: int | None = None
     """int8/int4/int2: the first tokens of a sequence's first chunk kept in fp16 (``encode``'s
-    ``sequence_start``); None = the codec's default (int2: 1, otherwise 0). A sequence's first token
+    ``sequence_start``); None = the codec's default (int8, int2: 1; int4: 0). A sequence's first token
     is its attention sink: a value vector of small norm that draws much of every later query's
     attention, so its quantization error reaches every output."""
     key_outliers: int | None = None
@@ -152,10 +155,16 @@ class CodecSpec:
                                      ("zstd_level", self.zstd_level, 1, 22),
                                      ("head", self.head, 0, 65535),
                                      ("key_outliers", self.key_outliers, 0, 65535)):
-            if value is None and field in ("head", "key_outliers"):
+            if value is None and field in ("group_size", "head", "key_outliers"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"CodecSpec.{field} must be an int in {lo}..{hi}, got {value!r}")
+
+    def group_tokens(self) -> int:
+        """`group_size` with the codec's default filled in (0 for the raw float codecs)."""
+        if self.name in _RAW:
+            return 0
+        return _DEFAULT_GROUP[self.name] if self.group_size is None else self.group_size
 
     def head_tokens(self) -> int:
         """`head` with the codec's default filled in."""
@@ -167,7 +176,10 @@ class CodecSpec:
         that fixes every parameter changing the decoded values (zstd never does)."""
         if self.name in _RAW:
             return EXACT if _RAW[self.name] == dtype else self.name
-        return (f"{self.name}-g{self.group_size}-r{self.residual}-h{self.head_tokens()}"
+        # int8's keys were quantized per token before format version 3 ("int8-g..."); per channel
+        # since, which decodes to other values, hence another name.
+        name = "int8c" if self.name == "int8" else self.name
+        return (f"{name}-g{self.group_tokens()}-r{self.residual}-h{self.head_tokens()}"
                 f"-o{self.outlier_channels()}")
 
     def outlier_channels(self) -> int:
@@ -243,15 +255,13 @@ def encode(k: torch.Tensor, v: torch.Tensor, meta: ChunkMeta, spec: CodecSpec, *
         parts = [_shuffle(k.to(_RAW[spec.name])), _shuffle(v.to(_RAW[spec.name]))]
     else:
         bits = _BITS[spec.name]
-        group = D if bits == 8 else spec.group_size
+        group = spec.group_tokens()
         residual = min(spec.residual, T)
         head = min(spec.head_tokens(), T - residual) if sequence_start else 0
         end = T - residual
         outliers = min(spec.outlier_channels(), D) if end > head else 0
         kq, vq = k[:, head:end], v[:, head:end]
-        parts = [*(_quantize_keys(kq, bits, group, outliers) if bits < 8 else
-                   [_EMPTY, *_quantize_part(kq, bits, group, per_channel=False), _EMPTY, _EMPTY, _EMPTY]),
-                 *_quantize_part(vq, bits, group, per_channel=False),
+        parts = [*_quantize_keys(kq, bits, group, outliers), *_quantize_part(vq, bits, group, per_channel=False),
                  _shuffle(k[:, :head].half()), _shuffle(v[:, :head].half()),
                  _shuffle(k[:, end:].half()), _shuffle(v[:, end:].half())]
     raw = torch.cat([p.cpu() for p in parts]).numpy().tobytes()
@@ -315,9 +325,9 @@ def decode(blob: bytes, *, namespace: bytes, dtype: torch.dtype = torch.float32,
         bits = _BITS[header.codec]
         head, residual = header.head, header.residual
         Q = T - head - residual
-        if bits < 8:
+        if bits < 8 or header.version >= 3:
             kq = _dequantize_keys(sections, (L, Q, H, D), bits, header.group_size, header.key_outliers)
-        else:
+        else:  # int8 before version 3: keys per token and head, as values
             next(sections)  # the (empty) outlier mask
             kq = _dequantize_part(sections, (L, Q, H, D), bits, header.group_size, per_channel=False)
             for _ in range(3):  # the (empty) outlier channels
@@ -418,7 +428,7 @@ def _section_sizes(h: BlobHeader) -> list[int]:
     bits = _BITS[h.codec]
     Q, C, g, m = T - h.head - h.residual, H * D, h.group_size, h.key_outliers
     codes = -(-L * Q * C * bits // 8)
-    if bits < 8:  # per channel; the m outlier channels of each head separately, at twice the bits
+    if bits < 8 or h.version >= 3:  # keys per channel; the m outlier channels of each head separately
         mask = -(-L * C // 8) if m else 0
         plain_groups, out_groups = L * H * (D - m) * -(-Q // g), L * H * m * -(-Q // g)
         keys = [mask, 2 * plain_groups, 2 * plain_groups, -(-L * H * (D - m) * Q * bits // 8),
@@ -468,7 +478,8 @@ def _parse(mv: memoryview) -> tuple[BlobHeader, int]:
     if name in _RAW:
         params_ok = group == 0 and residual == 0 and head == 0 and outliers == 0
     else:
-        params_ok = (group >= 1 and head + residual <= T and (name != "int8" or (group == D and outliers == 0))
+        params_ok = (group >= 1 and head + residual <= T
+                     and (name != "int8" or outliers == 0) and (name != "int8" or version >= 3 or group == D)
                      and outliers <= D and (outliers == 0 or head + residual < T))
     if min(L, T, H, D) < 1 or not params_ok:
         raise CorruptBlob(f"inconsistent header: codec {name}, shape {(L, T, H, D)}, group {group}, "

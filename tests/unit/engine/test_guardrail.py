@@ -10,7 +10,7 @@ from kvmesh.kv.namespace import KvLayout, KvNamespace
 from kvmesh.kv.quality import DEFAULT_BUDGET, QualityBudget
 from kvmesh.services.engine.guardrail import GuardConfig, Guardrail, GuardTicket, LossyPath, ShadowCheck
 
-NS = KvNamespace("model", KvLayout(2, 1, 4, "float32"), "int8-g64-r0-h0-o0", "tenant:a")
+NS = KvNamespace("model", KvLayout(2, 1, 4, "float32"), "int8c-g16-r0-h1-o0", "tenant:a")
 
 
 def path(budget: QualityBudget = DEFAULT_BUDGET, ns: KvNamespace = NS) -> LossyPath:
@@ -57,7 +57,7 @@ def test_two_checks_far_over_budget_disable_the_path_and_requests_fall_back():
     assert r.kl == pytest.approx(2.0) and r.top1 == pytest.approx(0.2)
     a = g.admit(path())
     assert not a.serve
-    assert a.fallback.startswith("int8-g64-r0-h0-o0: disabled by the guardrail (")
+    assert a.fallback.startswith("int8c-g16-r0-h1-o0: disabled by the guardrail (")
     assert report(g).fallbacks == 1
 
 

@@ -138,7 +138,7 @@ def test_the_keys_file_holds_a_tenant_opt_in(tmp_path, capsys):
 
 def test_a_fallback_is_reported_even_without_a_cache_hit():
     usage = Usage(prompt_tokens=10)
-    usage.add_choice(0, 3, 0, KvReuse("exact", 0, "int8-g64-r0-h0-o0: disabled by the guardrail"))
+    usage.add_choice(0, 3, 0, KvReuse("exact", 0, "int8c-g16-r0-h1-o0: disabled by the guardrail"))
     body = kvmesh_body(usage)
     assert body["reuse"]["exact"] and "disabled by the guardrail" in body["reuse"]["fallback"]
     plain = Usage(prompt_tokens=10)

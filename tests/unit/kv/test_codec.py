@@ -4,6 +4,7 @@ checks on small random chunks; compression ratio and error on real KV of the bun
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,11 +108,6 @@ def test_quantized_error_within_half_a_step_of_each_group(name, group):
     L, T, H, D = k.shape
     k2, v2, header = roundtrip(k, v, CodecSpec(name, group_size=group, head=0, key_outliers=0))
     bits = BITS[name]
-    if bits == 8:  # per token and head, both k and v
-        assert header.group_size == D
-        for x, x2 in ((k, k2), (v, v2)):
-            assert ((x2 - x).abs() <= group_bound(x, D, 8)).all()
-        return
     assert header.group_size == group
     perm = (0, 2, 3, 1)  # keys per channel: groups of tokens of one channel
     assert ((k2 - k).permute(perm).abs() <= group_bound(k.permute(perm), group, bits)).all()
@@ -203,7 +199,10 @@ def test_key_outlier_channels_get_twice_the_bits():
 def test_codec_defaults_fill_in_per_codec():
     assert (CodecSpec("int2").head_tokens(), CodecSpec("int2").outlier_channels()) == (1, 16)
     assert (CodecSpec("int4").head_tokens(), CodecSpec("int4").outlier_channels()) == (0, 0)
-    assert CodecSpec("int8", key_outliers=4).outlier_channels() == 0  # per-token int8 has no channels
+    assert CodecSpec("int8", key_outliers=4).outlier_channels() == 0  # 8 bits: nothing wider to give
+    assert (CodecSpec("int8").head_tokens(), CodecSpec("int8").group_tokens()) == (1, 16)
+    assert (CodecSpec("int4").group_tokens(), CodecSpec("int2").group_tokens(), CodecSpec("fp16").group_tokens()) == (64, 64, 0)
+    assert CodecSpec("int8", group_size=32).group_tokens() == 32
     assert (CodecSpec("int2", head=0, key_outliers=3).head_tokens(), CodecSpec("int2", key_outliers=3).outlier_channels()) == (0, 3)
 
 
@@ -217,15 +216,46 @@ def as_version_1(blob: bytes) -> bytes:
     return bytes(body) + hashlib.blake2b(bytes(body), digest_size=16).digest()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
-def test_version_1_blobs_still_decode(name):
+def as_version_2(blob: bytes) -> bytes:
+    """A version-3 int4/int2 blob with the version byte of 2 (the same layout for those codecs)."""
+    body = bytearray(blob[:-16])
+    body[4] = 2
+    return bytes(body) + hashlib.blake2b(bytes(body), digest_size=16).digest()
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_version_1_and_2_blobs_still_decode(name):
     k, v = make_kv()
     blob = encode(k, v, meta(k.shape[1]), CodecSpec(name, group_size=8, residual=3, head=0, key_outliers=0))
-    old = as_version_1(blob)
-    k1, v1, header = decode(old, namespace=NS)
-    k2, v2, _ = decode(blob, namespace=NS)
-    assert header.version == 1 and (header.head, header.key_outliers, header.residual) == (0, 0, 3)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    k2, v2, new = decode(blob, namespace=NS)
+    assert new.version == 3
+    for version, old in ((1, as_version_1(blob)), (2, as_version_2(blob))):
+        k1, v1, header = decode(old, namespace=NS)
+        assert header.version == version and (header.head, header.key_outliers, header.residual) == (0, 0, 3)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+OLD_INT8 = Path(__file__).parent / "data" / "int8_v2_head1_residual3.kvmb"
+"""make_kv()'s chunk as the format-2 writer stored it with int8 (head 1, residual 3): keys and
+values quantized per token and head (written by the codec before version 3)."""
+
+
+def test_int8_blobs_of_version_2_decode_per_token_and_head():
+    k, v = make_kv()
+    L, T, H, D = k.shape
+    k2, v2, header = decode(OLD_INT8.read_bytes(), namespace=NS)
+    assert (header.version, header.codec, header.group_size, header.head, header.residual) == (2, "int8", D, 1, 3)
+    for x, x2 in ((k, k2), (v, v2)):
+        assert torch.equal(x2[:, :1], x[:, :1].half().float()) and torch.equal(x2[:, -3:], x[:, -3:].half().float())
+        mid, mid2 = x[:, 1:-3].reshape(L, T - 4, H * D), x2[:, 1:-3].reshape(L, T - 4, H * D)
+        assert ((mid2 - mid).abs() <= group_bound(mid, D, 8)).all()
+    # the same chunk written now: keys per channel (make_kv's channels differ 1000x in scale)
+    k3, _, new = roundtrip(k, v, CodecSpec("int8", head=1, residual=3))
+    assert new.version == 3 and new.group_size == 16
+    perm, mid = (0, 2, 3, 1), slice(1, T - 3)
+    bound = group_bound(k[:, mid].permute(perm), 16, 8)
+    assert ((k3 - k)[:, mid].permute(perm).abs() <= bound).all()
+    assert not ((k2 - k)[:, mid].permute(perm).abs() <= bound).all()
 
 
 def test_outlier_mask_that_does_not_match_the_header_is_corrupt():
@@ -247,7 +277,7 @@ def test_header_round_trips_token_ids_and_fields():
     header = read_header(blob)
     assert header == decode(blob, namespace=NS)[2]
     assert (header.version, header.codec, header.zstd, header.src_dtype, header.shape) == (
-        2, "int2", True, torch.float32, (3, 5, 2, 4))
+        3, "int2", True, torch.float32, (3, 5, 2, 4))
     assert (header.group_size, header.residual, header.head, header.key_outliers) == (4, 2, 1, 3)
     assert (header.namespace, header.token_ids) == (NS, ids)
     assert header.payload_bytes == len(blob) - 52 - 4 * 5 - 4 - 16
@@ -288,7 +318,7 @@ def reseal(blob: bytes, offset: int, value: int) -> bytes:
 
 
 @pytest.mark.parametrize("offset,value,what", [
-    (0, ord("X"), "magic"), (4, 3, "version"), (4, 1, "version"), (5, 9, "codec"), (6, 2, "flags"), (7, 5, "dtype"),
+    (0, ord("X"), "magic"), (4, 4, "version"), (4, 1, "version"), (5, 9, "codec"), (6, 2, "flags"), (7, 5, "dtype"),
     (24, 0, "group"),  # int4 with group 0
     (28, 200, "residual"),  # residual past the chunk
     (48, 7, "head"),  # head tokens past the chunk
