@@ -409,28 +409,17 @@ class _Measure:
 
     def _codec_kv(self, ids: list[int], ref: _Reference, name: str):
         """The prompt's KV as a fetch from the KV service imports it: (k, v, tokens imported)."""
-        import torch
+        from kvmesh.services.engine.kv_connector import stored_round_trip
 
-        from kvmesh.kv import codec
-        from kvmesh.kv.namespace import EXACT
-        from kvmesh.kv.rope import rotate_keys, unrotate_keys
-
-        spec = dataclasses.replace(self.codec_base, name=name)
-        positioned = spec.storage(self.loaded.dtype) == EXACT  # exact prefix chunks keep their keys as computed
-        rotary, c = self.loaded.model.rotary, self.chunk
+        c = self.chunk
         m = min(len(ids) // c * c, (len(ids) - 1) // self.block * self.block)
         if not m:
             return ref.k[:, :0], ref.v[:, :0], 0
-        ks, vs = [], []
-        for i in range(-(-m // c)):
-            sl = slice(i * c, (i + 1) * c)
-            k = ref.k[:, sl] if positioned else unrotate_keys(ref.k[:, sl], i * c, rotary).to(ref.v.dtype)
-            blob = codec.encode(k, ref.v[:, sl], codec.ChunkMeta(self.namespace, tuple(ids[sl]), positioned=positioned),
-                                spec, sequence_start=i == 0)
-            dk, dv, header = codec.decode(blob, namespace=self.namespace, dtype=self.loaded.dtype)
-            ks.append(dk if header.positioned else rotate_keys(dk, i * c, rotary).to(self.loaded.dtype))
-            vs.append(dv)
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1), m
+        whole = -(-m // c) * c
+        spec = dataclasses.replace(self.codec_base, name=name)
+        k, v = stored_round_trip(ref.k[:, :whole], ref.v[:, :whole], ids, self.namespace, spec,
+                                 self.loaded.model.rotary, c)
+        return k, v, m
 
     def _doc_kv(self, doc_id: str, ids: tuple[int, ...]):
         from kvmesh.kv.blend import segment_kv

@@ -35,7 +35,7 @@ from opentelemetry.context import Context
 from kvmesh.errors import Unavailable
 from kvmesh.kv import codec
 from kvmesh.kv.keys import prefix_keys
-from kvmesh.kv.namespace import NAMESPACE_BYTES, KvLayout, KvNamespace
+from kvmesh.kv.namespace import EXACT, NAMESPACE_BYTES, KvLayout, KvNamespace
 from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.model.llama import RotaryEmbedding
 from kvmesh.services.engine.hot_chunks import HotChunks
@@ -43,6 +43,35 @@ from kvmesh.services.engine.kvcache_client import KvcacheClient, KvcacheWriter
 from kvmesh.threads import set_torch_threads
 
 log = logging.getLogger(__name__)
+
+
+def encode_chunk(k: torch.Tensor, v: torch.Tensor, token_ids, namespace: bytes, spec: codec.CodecSpec,
+                 position: int, rotary: RotaryEmbedding, positioned: bool) -> bytes:
+    """One chunk of a sequence's KV ``[layers, n, kv_heads, head_dim]`` (keys at their positions,
+    the first at `position`) as an export stores it: keys un-rotated to position-free unless
+    `positioned` (an exact prefix chunk keeps them as computed); the sequence's first chunk is
+    marked as its start (the codecs' fp16 head tokens)."""
+    if not positioned:
+        k = unrotate_keys(k, position, rotary).to(v.dtype)
+    meta = codec.ChunkMeta(namespace, tuple(token_ids), positioned=positioned)
+    return codec.encode(k, v, meta, spec, sequence_start=position == 0)
+
+
+def stored_round_trip(k: torch.Tensor, v: torch.Tensor, token_ids, namespace: bytes, spec: codec.CodecSpec,
+                      rotary: RotaryEmbedding, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt prefix's KV (keys at positions 0.., ``[layers, n, kv_heads, head_dim]``, n a
+    multiple of `chunk_tokens`) as a fetch imports it after an export with `spec`: chunk by chunk
+    encoded and decoded, keys back at their positions. What a codec does to a cache hit, for the
+    guardrail's replays and kvmesh bench quality."""
+    positioned = spec.storage(v.dtype) == EXACT
+    ks, vs = [], []
+    for start in range(0, k.shape[1], chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        blob = encode_chunk(k[:, sl], v[:, sl], token_ids[sl], namespace, spec, start, rotary, positioned)
+        dk, dv, header = codec.decode(blob, namespace=namespace, dtype=v.dtype)
+        ks.append(dk if header.positioned else rotate_keys(dk, start, rotary).to(k.dtype))
+        vs.append(dv)
+    return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
 
 @dataclass(frozen=True)
@@ -325,12 +354,9 @@ class KvConnector:
             for i, key in enumerate(job.keys):
                 sl = slice(i * chunk, (i + 1) * chunk)
                 try:
-                    k = job.k[:, sl]
-                    if not job.positioned:
-                        k = unrotate_keys(k, job.start + i * chunk, self.rotary).to(job.v.dtype)
-                    meta = codec.ChunkMeta(ns, tuple(job.token_ids[sl]), positioned=job.positioned)
-                    blob = codec.encode(k, job.v[:, sl], meta, job.spec or self.config.codec,
-                                        sequence_start=job.start + i * chunk == 0)
+                    blob = encode_chunk(job.k[:, sl], job.v[:, sl], job.token_ids[sl], ns,
+                                        job.spec or self.config.codec, job.start + i * chunk, self.rotary,
+                                        job.positioned)
                     writer.put(key, blob, job.namespace)
                     self.stats.exported_chunks += 1
                 except Unavailable as err:

@@ -31,9 +31,10 @@ from kvmesh.kv import codec
 from kvmesh.kv.blend import Segment, blend_prefill, continuation_logits
 from kvmesh.kv.keys import document_chunks
 from kvmesh.kv.quality import Comparison, compare
-from kvmesh.kv.rope import rotate_keys, unrotate_keys
+from kvmesh.kv.rope import unrotate_keys
 from kvmesh.services.engine.blending import BlendConfig, attention_window
 from kvmesh.services.engine.guardrail import GuardTicket, ShadowCheck
+from kvmesh.services.engine.kv_connector import stored_round_trip
 
 Kv = tuple[torch.Tensor, torch.Tensor]
 """k, v [layers, n, kv_heads, head_dim], keys rotated to positions 0..n-1."""
@@ -111,16 +112,10 @@ class ShadowChecker:
         n = self._import_end(len(prompt), len(prompt) // chunk * chunk)
         if n <= 0:
             return None
-        k, v = exact[0][:, :n].clone(), exact[1][:, :n].clone()
-        for start in range(0, n, chunk):
-            sl = slice(start, start + chunk)
-            ids = prompt[start:start + chunk]
-            ck = unrotate_keys(exact[0][:, sl], start, self.model.rotary).to(exact[1].dtype)
-            ck, cv = _round_trip(ck, exact[1][:, sl], ids, namespace, spec, start == 0)
-            width = min(chunk, n - start)
-            k[:, start:start + width] = rotate_keys(ck, start, self.model.rotary)[:, :width].to(k.dtype)
-            v[:, start:start + width] = cv[:, :width]
-        return k, v
+        whole = -(-n // chunk) * chunk  # <= len(prompt): n is within the prompt's whole chunks
+        k, v = stored_round_trip(exact[0][:, :whole], exact[1][:, :whole], prompt, namespace, spec,
+                                 self.model.rotary, chunk)
+        return k[:, :n], v[:, :n]
 
     def _blend_prefix(self, ticket: GuardTicket, prompt: list[int]) -> Optional[Kv]:
         path, spans = ticket.path, sorted(ticket.document_spans)
