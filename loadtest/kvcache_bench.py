@@ -85,11 +85,13 @@ class PagedSequence:
 @torch.inference_mode()
 def quality_rows(plan: Plan, model: str = "bundled") -> list[dict]:
     from kvmesh.kv import codec
-    from kvmesh.kv.rope import rotate_keys, unrotate_keys
+    from kvmesh.kv.namespace import EXACT
+    from kvmesh.kv.rope import rotate_keys
     from kvmesh.model.attention import read_kv
     from kvmesh.model.loader import load_model
     from kvmesh.model.perplexity import reference_text
     from kvmesh.services.engine.build import engine_namespace
+    from kvmesh.services.engine.kv_connector import encode_chunk
 
     lm = load_model(model, progress=False)
     ids = lm.tokenizer.encode(reference_text())
@@ -127,19 +129,18 @@ def quality_rows(plan: Plan, model: str = "bundled") -> list[dict]:
         recon = None
         for zstd in (False, True):
             spec = codec.CodecSpec(name=name, zstd=zstd)
+            positioned = spec.storage(lm.dtype) == EXACT  # an exact prefix chunk keeps its keys as computed
             t0 = time.perf_counter()
-            # As the engine stores them: keys un-rotated to position 0 (kvmesh.kv.rope), then encoded.
-            blobs = [codec.encode(unrotate_keys(k_all[:, i * CHUNK:(i + 1) * CHUNK], i * CHUNK, rotary),
-                                  v_all[:, i * CHUNK:(i + 1) * CHUNK],
-                                  codec.ChunkMeta(ns, tuple(prompt[i * CHUNK:(i + 1) * CHUNK])), spec,
-                                  sequence_start=i == 0)
+            # As the engine's export stores them (lossy: keys un-rotated to position 0, kvmesh.kv.rope).
+            blobs = [encode_chunk(k_all[:, i * CHUNK:(i + 1) * CHUNK], v_all[:, i * CHUNK:(i + 1) * CHUNK],
+                                  prompt[i * CHUNK:(i + 1) * CHUNK], ns, spec, i * CHUNK, rotary, positioned)
                      for i in range(n_chunks)]
             enc_s = (time.perf_counter() - t0) / n_chunks
             t0 = time.perf_counter()
             parts = []
             for i, b in enumerate(blobs):
-                k, v, _ = codec.decode(b, namespace=ns)
-                parts.append((rotate_keys(k, i * CHUNK, rotary), v))
+                k, v, header = codec.decode(b, namespace=ns)
+                parts.append((k if header.positioned else rotate_keys(k, i * CHUNK, rotary), v))
             dec_s = (time.perf_counter() - t0) / n_chunks
             size = sum(map(len, blobs))
             tag = dict(codec=name, zstd=zstd)
