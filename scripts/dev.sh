@@ -40,6 +40,8 @@ setup() {
   # The native decode-attention kernel: compiled once (~30 s) into the kvmesh cache, so neither
   # the engine's first step nor a test pays for it; without a compiler the torch path runs.
   "$venv/bin/python" -m kvmesh.model.native
+  # The GGUF block kernels of --weights gguf, likewise (~25 s once).
+  "$venv/bin/python" -m kvmesh.model.gguf_native
 }
 
 case "${1:-}" in

@@ -13,6 +13,11 @@ tokenizer.json, tokenizer_config.json) and later loads read only that folder. Th
 under a temporary name and renamed into place, so a crash or a concurrent loader never leaves a
 half-written entry; the loser of a race just uses the winner's folder. Bump CONVERSION_VERSION
 whenever the conversion changes, so stale entries are never read.
+
+NOTE (the file's own blocks). ``read_quantized`` is the other way in, for ``weights="gguf"``
+(kvmesh.model.quant.GGUFLinear): each 2-D weight exactly as the file stores it, rows of
+quantized blocks, nothing dequantized. llama's q/k un-permutation is a permutation of whole
+rows, so it moves rows of blocks just as it moves rows of floats.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,6 +87,41 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One weight matrix as a GGUF file holds it."""
+
+    qtype: int  # ggml type id (gguf.GGMLQuantizationType)
+    rows: torch.Tensor  # [out_features, bytes per row] uint8: each row its run of blocks
+    in_features: int
+
+
+def read_quantized(path: str | Path) -> dict[str, QuantizedTensor]:
+    """The 2-D weights of a GGUF file by HF name (``lm_head.weight`` absent when tied), as the
+    file's own blocks; llama's q/k rows un-permuted as ``convert_gguf`` does (see the NOTE).
+    Reads the header's few shape keys only, not the vocabulary."""
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(ARCHITECTURES)} ({SUPPORTED})")
+    heads = int(reader.fields[f"{arch}.attention.head_count"].contents())
+    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
+    kv_heads = heads if kv_field is None else int(kv_field.contents())
+    out: dict[str, QuantizedTensor] = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2 or t.name == ROPE_FREQS:
+            continue
+        name = hf_name(t.name)
+        rows = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1).copy())
+        if arch == "llama" and ".q_proj." in name:
+            rows = unpermute_rope(rows, heads).contiguous()
+        elif arch == "llama" and ".k_proj." in name:
+            rows = unpermute_rope(rows, kv_heads).contiguous()
+        out[name] = QuantizedTensor(int(t.tensor_type), rows, int(t.shape[0]))
+    return out
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -11,13 +11,13 @@ import torch
 
 from kvmesh.model.bundled import BUNDLED_PACKAGE, bundled_gguf_path, folder_tokenizer  # noqa: F401 (re-exported)
 from kvmesh.model.config import ModelConfig
-from kvmesh.model.gguf_loader import ensure_converted, load_gguf
+from kvmesh.model.gguf_loader import QuantizedTensor, ensure_converted, load_gguf, read_quantized
 from kvmesh.model.hf_loader import Checkpoint, load_hf_folder
-from kvmesh.model.llama import LlamaForCausalLM
-from kvmesh.model.quant import calibration_text, quantize_model, smooth_factors
+from kvmesh.model.llama import _FUSED, LlamaForCausalLM
+from kvmesh.model.quant import calibration_text, quantize_model, smooth_factors, use_gguf_blocks
 from kvmesh.model.tokenizer import Tokenizer
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-w8a8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf")
 CALIBRATION_TOKENS = 1024
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -82,6 +82,14 @@ def _resolve_weights(weights: str | None, dtype: torch.dtype) -> str:
     return weights
 
 
+def gguf_source(source: str) -> Path | None:
+    """The GGUF file of ``source`` ('bundled' or a .gguf path), None for anything else."""
+    if source == "bundled":
+        return bundled_gguf_path()
+    path = Path(source)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def read_checkpoint(source: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Checkpoint:
     """Config, float weights, tokenizer and digest of ``source`` (no model built)."""
     if source == "bundled":
@@ -112,10 +120,12 @@ def load_tokenizer(source: str = "bundled", *, cache_dir: str | Path | None = No
 
 
 def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, weights: str,
-                tokenizer: Tokenizer | None = None) -> LlamaForCausalLM:
+                tokenizer: Tokenizer | None = None,
+                gguf_tensors: dict[str, QuantizedTensor] | None = None) -> LlamaForCausalLM:
     """Instantiate, fill, cast and (optionally) quantize a model from a checkpoint. ``int4-w8a8``
     calibrates its smoothing on the model itself first (CALIBRATION_TOKENS of
-    ``calibration_text()``, about a second here; without a tokenizer, no smoothing)."""
+    ``calibration_text()``, about a second here; without a tokenizer, no smoothing). ``gguf``
+    needs ``gguf_tensors``, the same file's blocks (``read_quantized``)."""
     with torch.device("meta"):  # no random init of weights that are overwritten anyway
         model = LlamaForCausalLM(checkpoint.config)
     model = model.to_empty(device=device).to(dtype)
@@ -128,6 +138,10 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
         quantize_model(model, weights, smooth=smooth)
     elif weights in ("int8", "int4"):
         quantize_model(model, weights)
+    elif weights == "gguf":
+        if gguf_tensors is None:
+            raise ValueError("weights='gguf' needs the GGUF file's tensors (read_quantized)")
+        use_gguf_blocks(model, gguf_tensors, _FUSED)
     return model
 
 
@@ -153,14 +167,25 @@ def load_model(source: str = "bundled", *, dtype: str | torch.dtype = "float32",
     ``"bfloat16"``. weights: ``"fp32"``/``"bf16"`` (unquantized; must match dtype, default), or
     ``"int8"``/``"int4"`` weight-only quantization of the decoder Linears, or ``"int4-w8a8"`` (int4
     for one- and two-row matmuls, int8 weights x int8 activations for larger ones and lm_head; see
-    kvmesh.model.quant). GGUF conversions are
+    kvmesh.model.quant), or ``"gguf"`` (GGUF sources only: every Linear and the output projection
+    run the file's own quantized blocks, exact w.r.t. the file up to float rounding; see
+    kvmesh.model.quant.GGUFLinear). GGUF conversions are
     cached under ``cache_dir`` (default ``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh``).
     """
     torch_dtype = _resolve_dtype(dtype)
     fmt = _resolve_weights(weights, torch_dtype)
     dev = torch.device(device)
+    gguf_tensors = None
+    if fmt == "gguf":
+        path = gguf_source(source)
+        if path is None:
+            raise ValueError(f"weights='gguf' runs a GGUF file's own quantized blocks, and {source!r} is not a "
+                             f"GGUF file; for an HF folder use one of "
+                             f"{', '.join(f for f in WEIGHT_FORMATS if f != 'gguf')}")
+        gguf_tensors = read_quantized(path)
     checkpoint = read_checkpoint(source, cache_dir=cache_dir, progress=progress)
-    model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt, tokenizer=checkpoint.tokenizer)
+    model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt, tokenizer=checkpoint.tokenizer,
+                        gguf_tensors=gguf_tensors)
     return LoadedModel(
         config=checkpoint.config,
         model=model,

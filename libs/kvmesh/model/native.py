@@ -294,6 +294,34 @@ def _build():
                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
+def native_mode() -> str:
+    """KVMESH_NATIVE: "1" (require the native kernels), "0" (the torch paths) or "" (unset: the
+    native kernels where they build); ValueError for anything else."""
+    mode = os.environ.get("KVMESH_NATIVE", "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"KVMESH_NATIVE={mode!r}: use 1 (require the native kernels), 0 (the "
+                         "torch paths) or leave it unset (the native kernels where they build)")
+    return mode
+
+
+def build_per_mode(build: Callable[[], object], logger: logging.Logger, what: str):
+    """``build()`` under KVMESH_NATIVE's semantics (the one place they are written): its module,
+    or None with KVMESH_NATIVE=0 or, unset, where the build fails (logged as a warning); with
+    KVMESH_NATIVE=1 a failed build raises RuntimeError carrying the compiler's output."""
+    mode = native_mode()
+    if mode == "0":
+        return None
+    try:
+        return build()
+    except Exception as err:
+        if mode == "1":
+            raise RuntimeError(f"KVMESH_NATIVE=1 but the {what} did not build: {err}") from err
+        # no compiler, no ninja, another platform: the torch paths run
+        logger.warning("%s unavailable (%s); using the torch paths (KVMESH_NATIVE=1 makes this an error)",
+                       what, err)
+        return None
+
+
 def _native():
     """The compiled module (built once per process, then cached on disk), or None with
     KVMESH_NATIVE=0 or, KVMESH_NATIVE unset, where it cannot be built. With KVMESH_NATIVE=1 a
@@ -304,20 +332,7 @@ def _native():
     with _lock:
         if _tried:
             return _module
-        mode = os.environ.get("KVMESH_NATIVE", "")
-        if mode not in ("", "0", "1"):
-            raise ValueError(f"KVMESH_NATIVE={mode!r}: use 1 (require the native kernels), 0 (the "
-                             "torch paths) or leave it unset (the native kernels where they build)")
-        if mode != "0":
-            try:
-                _module = _build()
-            except Exception as err:
-                if mode == "1":
-                    raise RuntimeError(f"KVMESH_NATIVE=1 but the native kernels did not build: "
-                                       f"{err}") from err
-                # no compiler, no ninja, another platform: the torch paths run
-                log.warning("native kernels unavailable (%s); using the torch paths "
-                            "(KVMESH_NATIVE=1 makes this an error)", err)
+        _module = build_per_mode(_build, log, "native kernels")
         _tried = True
         return _module
 

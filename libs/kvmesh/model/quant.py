@@ -34,6 +34,16 @@ the largest single matmul of a decode step) is W8A8 for every row count. Measure
 per-tensor activation scales (torch's dynamic quantized Linear) +50%, smoothed +0.99%
 (+0.60% with lm_head left in fp32). Calibration text is the standard library's own docstrings,
 not the evaluation text.
+
+NOTE (gguf). ``GGUFLinear`` holds a GGUF file's weight exactly as the file does (rows of Q4_0 /
+Q4_1 / Q8_0 / Q4_K / Q6_K blocks, never re-quantized) and multiplies fp32 activations with it
+in kvmesh.model.gguf_native: the dequantized file's matmul up to summation order (each block is
+dequantized in registers to exactly gguf-py's fp32 values). Up to ``GGUF_ROWS`` rows (decode
+steps, drafts being verified, small batches) the kernel streams the blocks; larger matmuls
+(prefill) are compute-bound, and dequantize a cache-sized tile of weight rows at a time, each
+tile one dense fp32 matmul. Where the kernels are not built, on other devices, or for a block
+type they lack, the layer holds the exactly dequantized fp32 weight instead: the same model
+everywhere, only slower or larger.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.model.gguf_native import KERNEL_TYPES, gguf_ops
 from kvmesh.model.native import w8a8_ops
 
 # Rows at or below which the packed kernel beats dequantize + dense matmul, measured over all 210
@@ -314,3 +325,112 @@ def calibration_text() -> str:
             if doc and len(doc) > 200:
                 docs.append(doc)
     return "\n\n".join(docs)
+
+
+GGUF_ROWS = 16
+"""Rows at or below which GGUFLinear runs the block kernel rather than the tiled dequantize +
+dense matmul. All 120 decoder matmuls of SmolLM2-135M on this 2-core machine (one-off, 2 threads):
+kernel 18 / 39 / 88 ms at 8 / 16 / 32 rows, tiled 44 / 46 / 77 ms (fp32 weights: 49 / 60 / 91)."""
+GGUF_TILE_FLOATS = 163840
+"""fp32 weights the tiled path dequantizes at a time (640 KiB: stays in a core's L2)."""
+
+
+class GGUFLinear(nn.Module):
+    """Bias-optional Linear over a GGUF file's own quantized blocks (see the NOTE). ``parts``:
+    (ggml type id, [rows, bytes per row] uint8) stacked along the output dim, e.g. q, k and v of
+    a fused projection, each part in its own block type."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
+                 bias: torch.Tensor | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.in_features = in_features
+        self.out_features = sum(int(rows.shape[0]) for _, rows in parts)
+        self.types = tuple(int(t) for t, _ in parts)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().to(device))
+        ops = gguf_ops() if device.type == "cpu" else None
+        self._ops = ops if ops is not None and all(t in KERNEL_TYPES for t in self.types) else None
+        self._type_list = list(self.types)
+        self._mm = None if self._ops is None else self._ops.gguf_mm
+        self._bias = self.bias  # plain attributes: a buffer lookup costs a __getattr__ per call
+        if self._ops is not None:
+            self._blocks = [rows.contiguous() for _, rows in parts]
+            for i, rows in enumerate(self._blocks):
+                self.register_buffer(f"blocks{i}", rows)
+            self.register_buffer("weight", None)
+        else:
+            self._blocks = []
+            self.register_buffer("weight", torch.cat([_dequantize_py(t, rows, in_features) for t, rows in parts]).to(device))
+
+    def extra_repr(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        kinds = "+".join(GGMLQuantizationType(t).name for t in self.types)
+        return f"in={self.in_features}, out={self.out_features}, gguf {kinds}, " + \
+            ("block kernel" if self._ops is not None else "dequantized")
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight the file stores, [out_features, in_features] (gguf-py's exact bits)."""
+        if self._ops is None:
+            return self.weight
+        return torch.cat([self._ops.gguf_dequant(b, t, self.in_features) for b, t in zip(self._blocks, self.types)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        if (self._mm is not None and x.dim() == 2 and x.shape[0] <= GGUF_ROWS and x.dtype == torch.float32
+                and x.device.type == "cpu"):  # a decode step: the fewest Python ops (~120 calls a step)
+            y = self._mm(x.contiguous(), self._blocks, self._type_list)
+            return y if self._bias is None else y + self._bias
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self._ops is None:
+            y = F.linear(x2, self.weight.to(x.dtype))
+        elif x2.shape[0] <= GGUF_ROWS and x.device.type == "cpu":
+            y = self._ops.gguf_mm(x2.float().contiguous(), self._blocks, self._type_list).to(x.dtype)
+        elif x.device.type == "cpu":  # tiles of the weight dequantized in cache, one dense matmul each
+            y = self._ops.gguf_mm_tiled(x2.float().contiguous(), self._blocks, self._type_list,
+                                           GGUF_TILE_FLOATS).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize().to(x.device, x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*lead, self.out_features)
+
+
+def _dequantize_py(qtype: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """gguf-py's dequantizer (any type it knows): [N, bytes per row] uint8 -> [N, K] fp32."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    if qtype == 0:  # F32: the bytes are the floats
+        return rows.contiguous().view(torch.float32).reshape(-1, in_features).clone()
+    w = np.asarray(dequantize(rows.numpy(), qtype), dtype=np.float32)
+    return torch.from_numpy(w.reshape(-1, in_features).copy())
+
+
+def use_gguf_blocks(model: nn.Module, tensors: dict, fused: dict[str, tuple[str, ...]]) -> nn.Module:
+    """Replace every decoder Linear and the output projection of ``model`` (already loaded with
+    the same file's dequantized weights) by a GGUFLinear over the file's blocks, in place.
+
+    tensors: HF weight name -> kvmesh.model.gguf_loader.QuantizedTensor; the output projection
+    of a tied model is the embedding's tensor. fused: this model's fused Linear suffix -> the HF
+    parts it stacks (kvmesh.model.llama's q/k/v and gate/up). A bias stays as loaded."""
+    device = next(model.parameters()).device
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, linear in targets:
+        prefix, _, child = name.rpartition(".")
+        parent = model.get_submodule(prefix) if prefix else model
+        owner, _, block = prefix.rpartition(".")
+        kind = f"{block}.{child}"  # e.g. self_attn.qkv_proj
+        hf = [f"{owner}.{p}.weight" for p in fused[kind]] if kind in fused else [f"{name}.weight"]
+        if name == "lm_head" and "lm_head.weight" not in tensors:
+            hf = ["model.embed_tokens.weight"]  # tied: the output projection is the embedding
+        missing = [h for h in hf if h not in tensors]
+        if missing:
+            raise ValueError(f"GGUF file has no tensor for {missing[0]} ({name})")
+        parts = [(tensors[h].qtype, tensors[h].rows) for h in hf]
+        if any(tensors[h].in_features != linear.in_features for h in hf) or \
+                sum(int(r.shape[0]) for _, r in parts) != linear.out_features:
+            raise ValueError(f"GGUF tensors {hf} do not match {name} ({linear.out_features}x{linear.in_features})")
+        setattr(parent, child, GGUFLinear(parts, linear.in_features, linear.bias, device))
+    return model

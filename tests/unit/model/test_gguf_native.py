@@ -1,0 +1,169 @@
+"""The GGUF block kernels (kvmesh.model.gguf_native) against gguf-py's own dequantizer: exact
+dequantization bit for bit, and matmuls equal to the dequantized weights' up to float rounding,
+for every block type, several shapes and row counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+import kvmesh.model.gguf_native as gguf_native
+from kvmesh.model.gguf_native import gguf_ops
+
+ops = gguf_ops()
+needs_kernels = pytest.mark.skipif(ops is None, reason="the GGUF kernels could not be built here "
+                                   "(no C++ compiler or ninja); weights=gguf runs dequantized")
+
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).view(np.uint8).reshape(*a.shape, 2)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """A reference Q4_K quantizer from the block spec (ggml's layout, plain min/max search):
+    per 256 weights, fp16 d and dmin, 6-bit scale and min per 32, 4-bit codes. [N, K] -> bytes."""
+    n, k = w.shape
+    x = w.reshape(-1, 8, 32).astype(np.float32)  # [blocks, sub, 32]
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 15.0
+    d = (scale.max(-1) / 63.0).astype(np.float16).astype(np.float32)
+    dmin = ((-lo).max(-1) / 63.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1, d)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / np.where(dmin == 0, 1, dmin)[:, None]), 0, 63).astype(np.uint8)
+    step = np.where(sc == 0, 1, d[:, None] * sc)[..., None]
+    q = np.clip(np.round((x + (dmin[:, None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed = np.zeros((x.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    q = q.reshape(-1, 4, 2, 32)  # 64-weight chunks: low nibbles the first 32, high the next
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=1)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """A reference Q6_K quantizer from the block spec: per 256 weights an fp16 d, an int8 scale
+    per 16 and 6-bit codes split into low nibbles (ql) and 2 high bits (qh). [N, K] -> bytes."""
+    n, k = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31.0
+    d = (scale.max(-1) / 127.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1, d)[:, None]), -128, 127).astype(np.int8)
+    step = np.where(sc == 0, 1, d[:, None] * sc)[..., None]
+    q = (np.clip(np.round(x / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [b, half, j, l]
+    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], axis=2)
+    qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    return blocks.reshape(n, -1)
+
+
+def blocks_of(qtype: T, w: np.ndarray) -> np.ndarray:
+    if qtype == T.Q4_K:
+        return quantize_q4_k(w)
+    if qtype == T.Q6_K:
+        return quantize_q6_k(w)
+    return quantize(w, qtype)
+
+
+# K = 96 and 576: not multiples of 256 (the 32-blocks allow it); 1536: SmolLM2's down_proj
+SHAPES = {T.Q4_0: [(40, 96), (576, 576)], T.Q4_1: [(40, 96), (576, 576), (33, 1536)],
+          T.Q8_0: [(40, 96), (300, 576)], T.Q4_K: [(40, 256), (65, 1536)], T.Q6_K: [(40, 256), (65, 1536)]}
+CASES = [(t, n, k) for t, shapes in SHAPES.items() for n, k in shapes]
+
+
+def _weights(n: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.01).astype(np.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype, n, k", CASES)
+def test_dequantize_is_gguf_py_bit_for_bit(qtype, n, k):
+    blocks = blocks_of(qtype, _weights(n, k, 0))
+    want = np.asarray(dequantize(blocks, qtype), dtype=np.float32)
+    assert np.abs(want - _weights(n, k, 0)).max() < 0.05  # the reference quantizers are sane
+    got = ops.gguf_dequant(torch.from_numpy(blocks), int(qtype), k)
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype, n, k", CASES)
+def test_matmul_equals_the_dequantized_weights_up_to_rounding(qtype, n, k):
+    blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 1)))
+    w = ops.gguf_dequant(blocks, int(qtype), k).double()
+    torch.manual_seed(2)
+    for m in (1, 2, 3, 5, 8, 19):  # decode rows, a decode with drafts, and more than 8
+        x = torch.randn(m, k)
+        got = ops.gguf_mm(x, [blocks], [int(qtype)])
+        want = x.double() @ w.T
+        bound = (x.double().abs() @ w.abs().T) * 2e-6  # float rounding of sum |x||w|
+        assert got.shape == (m, n)
+        assert bool(((got.double() - want).abs() <= bound + 1e-30).all()), (qtype, m)
+        tiled = ops.gguf_mm_tiled(x, [blocks], [int(qtype)], 4096)  # several tiles  # the prefill path: same sum, other order
+        assert bool(((tiled.double() - want).abs() <= bound + 1e-30).all()), (qtype, m)
+        # each row of x gives the same bits alone or beside others
+        torch.testing.assert_close(ops.gguf_mm(x[-1:].contiguous(), [blocks], [int(qtype)]), got[-1:], rtol=0, atol=0)
+
+
+@needs_kernels
+def test_parts_of_different_types_are_one_matmul():
+    """A fused projection whose parts the file holds in different types (Q4_K_M's attn_v in Q6_K)."""
+    w1, w2, w3 = _weights(24, 512, 3), _weights(16, 512, 4), _weights(8, 512, 5)
+    parts = [(T.Q4_K, w1), (T.Q6_K, w2), (T.Q8_0, w3)]
+    blocks = [torch.from_numpy(blocks_of(t, w)) for t, w in parts]
+    types = [int(t) for t, _ in parts]
+    x = torch.randn(3, 512)
+    got = ops.gguf_mm(x, blocks, types)
+    want = torch.cat([ops.gguf_mm(x, [b], [t]) for b, t in zip(blocks, types)], dim=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(ops.gguf_mm_tiled(x, blocks, types, 8192), want, rtol=1e-5, atol=1e-5)
+    f32 = torch.randn(5, 512)  # F32 rows (the plain path) next to quantized ones
+    got = ops.gguf_mm(x, [blocks[0], f32.view(torch.uint8)], [int(T.Q4_K), int(T.F32)])
+    torch.testing.assert_close(got[:, 24:], x @ f32.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_kernels_reject_what_they_cannot_compute():
+    blocks = torch.from_numpy(quantize(_weights(4, 64, 0), T.Q4_1))
+    with pytest.raises(RuntimeError, match="do not hold K = 96"):
+        ops.gguf_mm(torch.randn(1, 96), [blocks], [int(T.Q4_1)])
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.gguf_mm(torch.randn(1, 64), [blocks], [int(T.Q5_K)])
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.gguf_mm(torch.randn(1, 64).double(), [blocks], [int(T.Q4_1)])
+
+
+@pytest.fixture
+def failing_build(monkeypatch):
+    calls = []
+
+    def build():
+        calls.append(1)
+        raise RuntimeError("Error building extension 'kvmesh_gguf': g++: error: bad kernel")
+
+    monkeypatch.setattr(gguf_native, "_build", build)
+    monkeypatch.setattr(gguf_native, "_module", None)
+    monkeypatch.setattr(gguf_native, "_tried", False)
+    return calls
+
+
+def test_native_1_makes_a_failed_build_an_error(failing_build, monkeypatch):
+    monkeypatch.setenv("KVMESH_NATIVE", "1")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="KVMESH_NATIVE=1 but the GGUF kernels did not build: .*bad kernel"):
+            gguf_ops()
+    assert len(failing_build) == 2
+
+
+def test_unset_falls_back_with_a_warning_and_0_never_builds(failing_build, monkeypatch, caplog):
+    monkeypatch.delenv("KVMESH_NATIVE", raising=False)
+    with caplog.at_level("WARNING", logger="kvmesh.model.gguf_native"):
+        assert gguf_ops() is None and gguf_ops() is None
+    assert len(failing_build) == 1 and "bad kernel" in caplog.text
+    monkeypatch.setattr(gguf_native, "_tried", False)
+    monkeypatch.setenv("KVMESH_NATIVE", "0")
+    assert gguf_ops() is None and len(failing_build) == 1
