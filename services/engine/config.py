@@ -20,7 +20,7 @@ class EngineConfig:
     model: str = setting("bundled", "Model source: 'bundled' (SmolLM2-135M-Instruct GGUF), a .gguf path, or a Hugging Face checkpoint folder, of a Llama (2, 3, 3.1+), Mistral or Qwen2 (2.5) model; other architectures are refused naming these.")
     served_name: str = setting("", "Model name reported to clients; empty = derived from --model: smollm2-135m-instruct for the bundled model, else --model as given (as vLLM). `kvmesh up` sets it to --served-model-name, else derives it the same way.")
     dtype: str = setting("float32", "Compute dtype.", choices=("float32", "bfloat16"))
-    weights: str = setting("auto", "Weight format: auto (= the compute dtype), fp32, bf16, weight-only int8/int4, or int4-w8a8 (int4 for one- and two-row matmuls, int8 weights x int8 activations for larger ones and the output projection: faster batches and prefill, +1% perplexity), or gguf (GGUF models only: the file's own quantized blocks run as they are, exact with respect to the file up to float rounding).", choices=("auto", "fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf"))
+    weights: str = setting("auto", "Weight format: auto (a GGUF model on CPU in float32: gguf, the file's own blocks; otherwise the compute dtype), fp32, bf16, weight-only int8/int4, or int4-w8a8 (int4 for one- and two-row matmuls, int8 weights x int8 activations for larger ones and the output projection: faster batches and prefill, +1% perplexity), or gguf (GGUF models only: the file's own quantized blocks run as they are, exact with respect to the file up to float rounding).", choices=("auto", "fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf"))
     num_layers: int = setting(0, "Serve only the first N decoder layers (early exit: then the final norm and lm_head), e.g. a cheap cascade tier of the same weights; 0 = all. Its KV namespace differs from the full model's.", min=0)
     device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N.")
     threads: int = setting(0, "Torch intra-op threads; 0 = all cores. In a multi-process stack give the busy engine the cores.", min=0)
@@ -85,7 +85,12 @@ class EngineConfig:
 
     @property
     def weight_format(self) -> str:
-        """The resolved weight format: 'auto' follows the compute dtype."""
+        """The resolved weight format. 'auto': a GGUF model (the bundled one, a .gguf file) served
+        on CPU in float32 runs its own quantized blocks ('gguf': exact with respect to the file,
+        a quarter of fp32's bytes per decoded token); anything else follows the compute dtype."""
         if self.weights != "auto":
             return self.weights
+        if self.dtype == "float32" and self.device == "cpu" and (
+                self.model == "bundled" or self.model.endswith(".gguf")):
+            return "gguf"
         return "bf16" if self.dtype == "bfloat16" else "fp32"

@@ -101,7 +101,8 @@ class QuantizedTensor:
 def read_quantized(path: str | Path) -> dict[str, QuantizedTensor]:
     """The 2-D weights of a GGUF file by HF name (``lm_head.weight`` absent when tied), as the
     file's own blocks; llama's q/k rows un-permuted as ``convert_gguf`` does (see the NOTE).
-    Reads the header's few shape keys only, not the vocabulary."""
+    gguf-py parses the whole header, vocabulary included (~1.5 s for SmolLM2's): serving loads
+    go through ``load_quantized``'s cache instead."""
     reader = GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
     if arch not in ARCHITECTURES:
@@ -242,6 +243,37 @@ def ensure_converted(path: str | Path, *, cache_dir: str | Path | None = None, p
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return entry, digest
+
+
+BLOCKS_FILE = "gguf-blocks.safetensors"
+
+
+def load_quantized(path: str | Path, *, cache_dir: str | Path | None = None,
+                   digest: str | None = None) -> dict[str, QuantizedTensor]:
+    """``read_quantized`` through the conversion cache: the first load saves the blocks in the
+    file's cache folder (one safetensors file, type and row length in its metadata, published
+    atomically), later loads read them from there without parsing the GGUF header."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    entry, _ = ensure_converted(path, cache_dir=cache_dir, progress=False, digest=digest)
+    saved = entry / BLOCKS_FILE
+    if saved.is_file():
+        with safe_open(str(saved), framework="pt") as f:
+            meta = f.metadata()
+            return {name: QuantizedTensor(*(int(v) for v in meta[name].split(",")[:1]), f.get_tensor(name),
+                                          int(meta[name].split(",")[1])) for name in f.keys()}
+    out = read_quantized(path)
+    fd, tmp = tempfile.mkstemp(prefix=".blocks-", suffix=".safetensors", dir=entry)
+    os.close(fd)
+    try:
+        save_file({n: q.rows for n, q in out.items()}, tmp,
+                  metadata={n: f"{q.qtype},{q.in_features}" for n, q in out.items()})
+        os.replace(tmp, saved)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
 
 
 def load_gguf(path: str | Path, *, cache_dir: str | Path | None = None, progress: bool = True,

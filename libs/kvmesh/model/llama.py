@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from torch import nn
 from kvmesh.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvmesh.model.config import ModelConfig, RopeScaling
 from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel
+from kvmesh.model.quant import GGUF_ROWS, GGUFDecode
 
 
 class Linear(nn.Linear):
@@ -319,9 +321,21 @@ class LlamaForCausalLM(nn.Module):
         attn.prepare(kv_caches[0][0].shape[1])  # derive gather indices once per step
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)  # [T, hd]
+        if attn.all_decode and input_ids.shape[0] <= GGUF_ROWS and kv_caches[0][0].dtype == torch.float32 \
+                and h.dtype == torch.float32 and h.device.type == "cpu":
+            fused = self.gguf_decode()
+            if fused is not None:  # the whole stack in one native call (GGUF weights)
+                return fused(h, cos, sin, kv_caches, attn)
         for layer, cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, cache, attn)
         return self.model.norm(h)
+
+    def gguf_decode(self):
+        """kvmesh.model.quant.GGUFDecode of this model (decode steps in one native call), or None
+        where it does not apply; decided once, on first use (weights are replaced before serving)."""
+        if "_gguf_decode" not in self.__dict__:
+            self.__dict__["_gguf_decode"] = GGUFDecode.of(self) if os.environ.get("KVMESH_GGUF_FUSED", "1") != "0" else None
+        return self.__dict__["_gguf_decode"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

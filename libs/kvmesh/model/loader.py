@@ -11,7 +11,7 @@ import torch
 
 from kvmesh.model.bundled import BUNDLED_PACKAGE, bundled_gguf_path, folder_tokenizer  # noqa: F401 (re-exported)
 from kvmesh.model.config import ModelConfig
-from kvmesh.model.gguf_loader import QuantizedTensor, ensure_converted, load_gguf, read_quantized
+from kvmesh.model.gguf_loader import QuantizedTensor, ensure_converted, load_gguf, load_quantized
 from kvmesh.model.hf_loader import Checkpoint, load_hf_folder
 from kvmesh.model.llama import _FUSED, LlamaForCausalLM
 from kvmesh.model.quant import calibration_text, quantize_model, smooth_factors, use_gguf_blocks
@@ -182,8 +182,9 @@ def load_model(source: str = "bundled", *, dtype: str | torch.dtype = "float32",
             raise ValueError(f"weights='gguf' runs a GGUF file's own quantized blocks, and {source!r} is not a "
                              f"GGUF file; for an HF folder use one of "
                              f"{', '.join(f for f in WEIGHT_FORMATS if f != 'gguf')}")
-        gguf_tensors = read_quantized(path)
     checkpoint = read_checkpoint(source, cache_dir=cache_dir, progress=progress)
+    if fmt == "gguf":
+        gguf_tensors = load_quantized(path, cache_dir=cache_dir, digest=checkpoint.digest)
     model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt, tokenizer=checkpoint.tokenizer,
                         gguf_tensors=gguf_tensors)
     return LoadedModel(

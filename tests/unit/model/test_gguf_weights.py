@@ -128,3 +128,23 @@ def test_every_family_runs_its_gguf_tensors(name, kw, tmp_path):
         for rows in (ids[:, :3], ids):
             want = ref.model.forward_dense(rows)
             torch.testing.assert_close(got.model.forward_dense(rows), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_blocks_are_cached_next_to_the_conversion(tiny_gguf, tmp_path, monkeypatch):  # noqa: F811
+    from kvmesh.model import gguf_loader
+
+    path, _ = tiny_gguf
+    want = gguf_loader.read_quantized(path)
+    first = gguf_loader.load_quantized(path, cache_dir=tmp_path)
+    assert list((tmp_path / "gguf").glob(f"*/{gguf_loader.BLOCKS_FILE}"))
+
+    def unexpected(_):
+        raise AssertionError("the GGUF header was parsed again")
+
+    monkeypatch.setattr(gguf_loader, "read_quantized", unexpected)
+    again = gguf_loader.load_quantized(path, cache_dir=tmp_path)
+    for got in (first, again):
+        assert got.keys() == want.keys()
+        for name, q in want.items():
+            assert (got[name].qtype, got[name].in_features) == (q.qtype, q.in_features)
+            assert torch.equal(got[name].rows, q.rows), name
