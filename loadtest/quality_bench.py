@@ -30,8 +30,8 @@ Paths (all on the exact answer, teacher-forced; the scores are ``kvmesh.kv.quali
   every bit, so no codec round trip), blended into the prompt by ``blend_prefill`` with the
   engine's blending settings (EngineConfig's select layers and selection), imported up to the
   last whole block before the last prompt token as the engine does, the rest computed over it.
-* ``weights=<format>``: the whole computation with int8, int4 or int4-w8a8 weights (a model
-  loaded with them, no cache): the prompt in the engine's prefill steps, the answer in steps of
+* ``weights=<format>``: the whole computation with gguf (GGUF models: the file's own blocks),
+  int8, int4 or int4-w8a8 weights (a model loaded with them, no cache): the prompt in the engine's prefill steps, the answer in steps of
   ``kvmesh.model.quant.SMALL_BATCH`` rows (the kernel a one-token decode step uses).
 Codec and blend logits are compared with the exact KV run through the same import-and-continue
 computation (so ``codec=fp32`` is exact to the bit), weights with the reference's own logits.
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from kvmesh.model.loader import LoadedModel
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
-WEIGHTS = ("int8", "int4", "int4-w8a8")
+WEIGHTS = ("gguf", "int8", "int4", "int4-w8a8")  # gguf: GGUF sources only (the file's own blocks)
 SPLIT_ENV = "KVMESH_BENCH_SPLIT"
 PATHS_ENV = "KVMESH_BENCH_PATHS"
 PATH_KINDS = ("codec", "blend", "weights")
@@ -333,8 +333,11 @@ class _Measure:
         self.namespace = engine_namespace(loaded).digest()
         self.eos = set(loaded.tokenizer.eos_token_ids)
         t0 = time.perf_counter()
+        from kvmesh.model.loader import gguf_source
+
+        formats = [f for f in WEIGHTS if f != "gguf" or gguf_source(loaded.source) is not None]
         self.weights = {fmt: load_model(loaded.source, dtype="float32", weights=fmt, progress=False)
-                        for fmt in (WEIGHTS if "weights" in plan.paths else ())}
+                        for fmt in (formats if "weights" in plan.paths else ())}
         if self.weights:
             print(f"loaded the {', '.join(self.weights)} models in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         self._docs: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()

@@ -1,4 +1,4 @@
-"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8) on the bundled model
+"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8, and gguf for a GGUF model) on the bundled model
 (or the model of `--model PATH`).
 
 For each format: perplexity on the first 8192 tokens of ``kvmesh.model.reference_text()``
@@ -100,7 +100,10 @@ def run(quick: bool, device: str = "cpu", model: str = "bundled") -> list[dict]:
     base_ppl = None
     base_greedy = None
     ids = None
-    for weights, dtype in FORMATS:
+    from kvmesh.model.loader import gguf_source
+
+    formats = FORMATS + ((("gguf", "float32"),) if gguf_source(model) is not None and device == "cpu" else ())
+    for weights, dtype in formats:
         lm = load_model(model, dtype=dtype, device=device, weights=weights)
         if ids is None:
             ids = lm.tokenizer.encode(reference_text())[:n_tokens]

@@ -97,7 +97,11 @@ def test_one_request_is_one_trace_across_all_five_services(traced_stack):
         def pred(spans):
             mine = [s for s in spans if s["trace"] == trace_id]
             names = {(s["service"], s["name"]) for s in mine}
-            return ({s["service"] for s in mine} >= SERVICES
+            ids = {s["id"] for s in mine}
+            # services export in their own batches: a server span (a second chunk's Put) can
+            # arrive before its caller's client span, so wait until the tree is connected
+            connected = all(s["parent"] == caller or s["parent"] in ids for s in mine)
+            return (connected and {s["service"] for s in mine} >= SERVICES
                     and ("kvmesh-gateway", "POST /v1/chat/completions") in names
                     and ("kvmesh-engine", "engine.decode") in names
                     and ("kvmesh-router", "/kvmesh.router.v1.RouterService/Generate") in names
