@@ -1,7 +1,9 @@
 """`kvmesh bench engine`: the kvmesh engine vs Hugging Face generate() on the same weights.
 
 On the bundled model by default; `--model PATH` measures another (HF generate() loads the same
-folder or GGUF file; the llama.cpp column needs a GGUF file).
+folder or GGUF file; the llama.cpp columns need a GGUF file). The llama.cpp peers, built by
+`bash scripts/build-llamacpp.sh`: `llamacpp` (llama-cpp-python's API, in process, sequential
+requests) and `llamacpp-server` (llama.cpp's HTTP server, continuous batching).
 
 Side by side, one run, one machine. kvmesh runs as its real gRPC service process (so its
 resident memory is the service's); HF runs in this process after the engine has stopped, so
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -94,7 +98,7 @@ async def _kvmesh_workload(address: str, prompts: Prompts, plan: Plan, proc: psu
         for _ in range(plan.repeats):
             t0, first, end, n = await _one(stub, prompts.take(plan.decode_prompt), plan.decode_tokens)
             rates.append((n - 1) / (end - first))
-        rows.append(row("decode_tok_s", statistics.median(rates), "tok/s", system="kvmesh", concurrency=1))
+        rows += decode_rows(rates, "kvmesh")
         for p in plan.ttft_prompts:
             ttfts = []
             for _ in range(plan.repeats):
@@ -186,15 +190,21 @@ def bench_hf(plan: Plan, prompts: Prompts, source: str = "bundled") -> list[dict
 # ---- llama.cpp (llama-cpp-python, same GGUF file) ----------------------------------------------
 
 def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
-    """llama.cpp on the same GGUF file (its native kernels), when llama-cpp-python is installed.
+    """llama.cpp on the same GGUF file (its native kernels) through llama-cpp-python's Python API,
+    in this process (`bash scripts/build-llamacpp.sh` installs it built for this CPU, AMX off).
 
-    llama-cpp-python has no continuous batching in its Python API: concurrency c is measured as c
-    sequential requests (its aggregate throughput equals its single-stream rate)."""
+    decode_tok_s (median, min, max over the repeats): (tokens - 1) / (time from the first token to
+    the last); ttft_s: time to the first generated token of a fresh prompt; rss_bytes: this
+    process. llama-cpp-python has no continuous batching in its Python API: throughput_tok_s at
+    concurrency c is c *sequential* requests (its aggregate throughput equals its single-stream
+    rate) -- the `llamacpp-server` column is llama.cpp's concurrent peer."""
     from llama_cpp import Llama
 
     threads = os.cpu_count() or 1
+    # Weight repacking (llama.cpp's extra buffer types) stays on, as in llama-server; the build has
+    # no AMX buffer type (scripts/build-llamacpp.sh). Llama() has no such argument: it ignores one.
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False, use_extra_bufts=False)
+                n_threads_batch=threads, n_batch=512, verbose=False)
 
     def gen(ids: list[int], new: int) -> tuple[float, float]:
         """(time to first token, total time) for one greedy request."""
@@ -216,7 +226,7 @@ def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
     for _ in range(plan.repeats):
         ttft, total = gen(prompts.take(plan.decode_prompt), plan.decode_tokens)
         rates.append((plan.decode_tokens - 1) / (total - ttft))
-    rows.append(row("decode_tok_s", statistics.median(rates), "tok/s", system="llamacpp", concurrency=1))
+    rows += decode_rows(rates, "llamacpp")
     for p in plan.ttft_prompts:
         ttfts = [gen(prompts.take(p), 1)[0] for _ in range(plan.repeats)]
         rows.append(row("ttft_s", statistics.mean(ttfts), "s", system="llamacpp", prompt_tokens=p))
@@ -227,9 +237,264 @@ def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
         rows.append(row("throughput_tok_s", c * plan.conc_tokens / (time.perf_counter() - t0), "tok/s",
                         system="llamacpp", concurrency=c))
     rows.append(row("rss_bytes", float(psutil.Process().memory_info().rss), "bytes", system="llamacpp"))
-    del llm
+    llm.close()  # frees the model and context now, not whenever the object is collected
     gc.collect()
     return rows
+
+
+def decode_rows(rates: list[float], system: str) -> list[dict]:
+    """decode_tok_s (the median over the repeats) and its spread, decode_tok_s_min / _max."""
+    return [row(metric, agg(rates), "tok/s", system=system, concurrency=1)
+            for metric, agg in (("decode_tok_s", statistics.median), ("decode_tok_s_min", min),
+                                ("decode_tok_s_max", max))]
+
+
+# ---- llama.cpp's HTTP server (llama-server: continuous batching, same GGUF file) ---------------
+
+LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python; = scripts/build-llamacpp.sh and pyproject's `bench` extra
+LLAMA_SERVER_ENV = "KVMESH_LLAMA_SERVER"
+BUILD_HINT = "bash scripts/build-llamacpp.sh"
+SERVER_SYSTEM = "llamacpp-server"
+
+
+def llama_server_path(env: dict | None = None) -> Path | None:
+    """The llama-server binary: $KVMESH_LLAMA_SERVER when set, else where build-llamacpp.sh puts
+    it (kvmesh's cache, $KVMESH_CACHE_DIR or ~/.cache/kvmesh, then llamacpp/<version>/bin/llama-server).
+    None when that is not an executable file."""
+    env = os.environ if env is None else env
+    if env.get(LLAMA_SERVER_ENV):
+        path = Path(env[LLAMA_SERVER_ENV])
+    else:
+        cache = Path(env.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
+        path = cache / "llamacpp" / LLAMACPP_VERSION / "bin" / "llama-server"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def llamacpp_skip_reasons(env: dict | None = None, have_llama_cpp: bool | None = None) -> dict[str, str]:
+    """{column: the one line saying why it is skipped} for the llama.cpp columns that cannot run."""
+    if have_llama_cpp is None:
+        have_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    out = {}
+    if not have_llama_cpp:
+        out["llamacpp"] = f"llamacpp column skipped: llama-cpp-python is not installed; run `{BUILD_HINT}`"
+    if llama_server_path(env) is None:
+        out[SERVER_SYSTEM] = (f"{SERVER_SYSTEM} column skipped: llama-server is not built; run `{BUILD_HINT}`"
+                              f" (or point {LLAMA_SERVER_ENV} at a llama-server binary)")
+    return out
+
+
+def server_slots(plan: Plan) -> tuple[int, int]:
+    """(slots, context tokens per slot): one slot per request of the plan's largest concurrency,
+    each holding the plan's longest request (the TTFT prompt + 1 token = 2049 by default) rounded
+    up to a power of two (4096). llama-server's -c is the total, slots x per slot: with --parallel
+    it gives each slot its own 1/slots of the KV cache (not unified)."""
+    per_slot = max(256, 1 << (longest_sequence(plan) - 1).bit_length())
+    return max(plan.concurrency), per_slot
+
+
+def llama_server_command(binary: Path, gguf: Path, plan: Plan, port: int, threads: int) -> list[str]:
+    """llama-server's command line for `plan`: `threads` for decode and prompt batches alike,
+    one continuous-batching slot per concurrent request (see server_slots), and no host-memory
+    prompt cache (--cache-ram 0: by default idle slots are copied there, for prompt reuse that
+    this benchmark's distinct prompts never have)."""
+    slots, per_slot = server_slots(plan)
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+            "-c", str(slots * per_slot), "--cont-batching", "--cache-ram", "0"]
+
+
+def completion_body(ids: list[int], n_predict: int) -> dict:
+    """A /completion request: greedy, exactly `n_predict` new tokens after the token-id prompt,
+    no reuse of an earlier request's KV cache."""
+    return {"prompt": list(ids), "n_predict": n_predict, "temperature": 0, "top_k": 1,
+            "cache_prompt": False, "ignore_eos": True, "stream": False}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the benchmark reads from one /completion response."""
+
+    tokens: int          # tokens_predicted
+    prompt_n: int        # timings.prompt_n: prompt tokens evaluated
+    prompt_ms: float     # timings.prompt_ms: slot start -> logits of the prompt's last token
+    predicted_n: int     # timings.predicted_n: generated tokens (the first comes from the prompt)
+    predicted_ms: float  # timings.predicted_ms: first generated token -> last
+
+    @property
+    def decode_tok_s(self) -> float:
+        """(predicted_n - 1) / predicted_ms: the decode steps' rate, as the other columns count it
+        ((tokens - 1) / (last token - first token)); = the server's timings.predicted_per_second."""
+        return (self.predicted_n - 1) / (self.predicted_ms / 1000.0)
+
+
+def parse_completion(resp: dict) -> Completion:
+    t = resp["timings"]
+    return Completion(int(resp["tokens_predicted"]), int(t["prompt_n"]), float(t["prompt_ms"]),
+                      int(t["predicted_n"]), float(t["predicted_ms"]))
+
+
+def ttft_row(done: list[Completion], prompt_tokens: int, system: str = SERVER_SYSTEM) -> dict:
+    """ttft_s: the mean of the server's prompt_ms (prefill until the first token's logits)."""
+    return row("ttft_s", statistics.mean(c.prompt_ms for c in done) / 1000.0, "s", system=system,
+               prompt_tokens=prompt_tokens)
+
+
+def throughput_row(done: list[Completion], wall_s: float, concurrency: int, system: str = SERVER_SYSTEM) -> dict:
+    """throughput_tok_s: all requests' tokens_predicted over the client's wall clock for the batch."""
+    return row("throughput_tok_s", sum(c.tokens for c in done) / wall_s, "tok/s", system=system,
+               concurrency=concurrency)
+
+
+def wait_ready(client, proc, deadline_s: float, log_tail=lambda: "") -> None:
+    """Polls GET /health until it answers 200 {"status": "ok"} (503 while the model loads).
+    Raises RuntimeError, with the end of the server's log, when the process exits first or
+    `deadline_s` passes."""
+    import httpx
+
+    end = time.monotonic() + deadline_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with status {proc.returncode} before it was ready:\n{log_tail()}")
+        try:
+            r = client.get("/health", timeout=5.0)
+            if r.status_code == 200 and r.json().get("status") == "ok":
+                return
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"llama-server not ready after {deadline_s:.0f} s:\n{log_tail()}")
+        time.sleep(0.2)
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _server_workload(client, prompts: Prompts, plan: Plan, proc: psutil.Process) -> list[dict]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(ids: list[int], n_predict: int) -> Completion:
+        r = client.post("/completion", json=completion_body(ids, n_predict))
+        r.raise_for_status()
+        done = parse_completion(r.json())
+        if done.tokens != n_predict:
+            raise RuntimeError(f"llama-server generated {done.tokens} tokens, asked for {n_predict}")
+        return done
+
+    rows = []
+    rss = 0
+    complete(prompts.take(16), 4)  # warm-up
+    rows += decode_rows([complete(prompts.take(plan.decode_prompt), plan.decode_tokens).decode_tok_s
+                         for _ in range(plan.repeats)], SERVER_SYSTEM)
+    for p in plan.ttft_prompts:
+        rows.append(ttft_row([complete(prompts.take(p), 1) for _ in range(plan.repeats)], p))
+        rss = max(rss, proc.memory_info().rss)
+    with ThreadPoolExecutor(max_workers=max(plan.concurrency)) as pool:
+        for c in plan.concurrency:
+            reqs = [prompts.take(plan.conc_prompt) for _ in range(c)]
+            t0 = time.perf_counter()
+            done = list(pool.map(lambda ids: complete(ids, plan.conc_tokens), reqs))
+            rows.append(throughput_row(done, time.perf_counter() - t0, c))
+            rss = max(rss, proc.memory_info().rss)
+    rows.append(row("rss_bytes", float(rss), "bytes", system=SERVER_SYSTEM))
+    return rows
+
+
+def bench_llamacpp_server(plan: Plan, prompts: Prompts, gguf: Path, binary: Path | None = None,
+                          ready_s: float = 120.0) -> list[dict]:
+    """llama.cpp's own HTTP server on the same GGUF file: the continuous-batching peer of kvmesh's
+    concurrency rows. Started as `llama_server_command` (all cores, one slot per concurrent
+    request), requests are greedy token-id prompts to /completion, stream off, prompt cache off.
+
+    decode_tok_s (median, min, max over the repeats) and ttft_s come from the server's own
+    `timings`, so they exclude HTTP: decode = (predicted_n - 1) / predicted_ms (first generated
+    token to the last, as the other columns measure), ttft = prompt_ms (the prompt's evaluation
+    until the first token's logits, no queueing, sampling or transfer). throughput_tok_s at
+    concurrency c: c requests sent at once from a thread pool, the sum of their tokens_predicted
+    over the client's wall clock (HTTP included, as kvmesh's gRPC is). rss_bytes: the server
+    process, whose KV cache is allocated up front for all slots (server_slots)."""
+    import tempfile
+
+    import httpx
+
+    from kvmesh import launcher
+
+    binary = binary or llama_server_path()
+    if binary is None:
+        raise FileNotFoundError(f"llama-server is not built: run `{BUILD_HINT}` (or set {LLAMA_SERVER_ENV})")
+    port = launcher.free_port()
+    cmd = llama_server_command(binary, gguf, plan, port, os.cpu_count() or 1)
+    slots, _ = server_slots(plan)
+    limits = httpx.Limits(max_connections=slots, max_keepalive_connections=slots)
+    with tempfile.TemporaryFile() as log, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600.0, limits=limits) as client:
+        def log_tail() -> str:
+            log.flush()
+            log.seek(0)
+            return log.read().decode(errors="replace")[-3000:]
+
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(client, proc, ready_s, log_tail)
+            return _server_workload(client, prompts, plan, psutil.Process(proc.pid))
+        finally:
+            _stop(proc)
+
+
+def llamacpp_columns(plan: Plan, prompts: Prompts, gguf: Path, skip: dict[str, str] | None = None) -> list[dict]:
+    """The llama.cpp columns on `gguf`, the Python-API one first, then llama-server; a column that
+    cannot run here prints one line naming the build script instead (skip: llamacpp_skip_reasons)."""
+    skip = llamacpp_skip_reasons() if skip is None else skip
+    rows = []
+    for system, bench in (("llamacpp", bench_llamacpp), (SERVER_SYSTEM, bench_llamacpp_server)):
+        if system in skip:
+            print(skip[system], file=sys.stderr)
+        else:
+            rows += bench(plan, prompts, gguf)
+    return rows
+
+
+AGREE_PROMPTS, AGREE_TOKENS, AGREE_PROMPT_LEN = 20, 64, 32
+
+
+def greedy_agreement(model: str, formats: list[str], prompts: Prompts, quick: bool) -> list[dict]:
+    """Share of greedy tokens equal to fp32's, position by position, for each weight format in
+    `formats`: 20 prompts (quick: 5) of 32 tokens, 64 new tokens each, one sequence at a time
+    through the paged forward path (the engine's decode steps, fused GGUF decode included)."""
+    import torch
+
+    from kvmesh.model.loader import load_model
+
+    from kvmesh.loadtest.quant_bench import greedy_decode
+
+    set_torch_threads(0)
+    n = 5 if quick else AGREE_PROMPTS
+    ids = [prompts.take(AGREE_PROMPT_LEN) for _ in range(n)]
+
+    def answers(weights: str) -> list[list[int]]:
+        lm = load_model(model, dtype="float32", weights=weights, progress=False)
+        with torch.inference_mode():
+            out = [greedy_decode(lm, p, AGREE_TOKENS)[0] for p in ids]
+        del lm
+        gc.collect()
+        return out
+
+    ref = answers("fp32")
+    rows = []
+    for fmt in formats:
+        got = answers(fmt)
+        same = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
+        rows.append(row("greedy_agree", same / (n * AGREE_TOKENS), "share", system=SYSTEM_OF[fmt]))
+    return rows
+
+
+SYSTEM_OF = {"fp32": "kvmesh-fp32", "int4-w8a8": "kvmesh-int4-w8a8", "gguf": "kvmesh"}
 
 
 def longest_sequence(plan: Plan) -> int:
@@ -257,23 +522,23 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
     prompts = Prompts(load_tokenizer(model))
     print(f"kvmesh bench engine ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
     base = [*bm.engine_args(), *(engine_args or [])]
+    # The deployment default: for a GGUF model on CPU, the file's own blocks (--weights auto =
+    # gguf, lossless w.r.t. the file); for an HF folder, fp32.
     rows = bench_kvmesh(plan, prompts, base)
-    # int4 group-32 weights reproduce the bundled Q4_1 GGUF exactly (perplexity unchanged, see
-    # `kvmesh bench quant`), at a quarter of fp32's bytes read per decoded token.
-    rows += bench_kvmesh(plan, prompts, [*base, "--weights", "int4"], system="kvmesh-int4")
-    # int4 for one- and two-row matmuls, int8 x int8 (SmoothQuant) for batches, prefill and lm_head.
+    is_gguf = gguf_file(model) is not None
+    if is_gguf:  # fp32 of the same file: the lossless reference the default is compared with
+        rows += bench_kvmesh(plan, prompts, [*base, "--weights", "fp32"], system="kvmesh-fp32")
+    # lossy: int4 for one- and two-row matmuls, int8 x int8 (SmoothQuant) for batches, prefill and lm_head
     rows += bench_kvmesh(plan, prompts, [*base, "--weights", "int4-w8a8"], system="kvmesh-int4-w8a8")
+    rows += greedy_agreement(model, ["gguf", "int4-w8a8"] if is_gguf else ["int4-w8a8"], prompts, quick)
     # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
     gguf = gguf_file(model)
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llamacpp column skipped: llama-cpp-python is not installed (see README)", file=sys.stderr)
+    if gguf is None:
+        print("llama.cpp columns skipped: llama.cpp runs GGUF files, the model is an HF folder", file=sys.stderr)
     else:
-        if gguf is None:
-            print("llamacpp column skipped: llama.cpp runs GGUF files, the model is an HF folder", file=sys.stderr)
-        else:
-            rows += bench_llamacpp(plan, prompts, gguf)
+        rows += llamacpp_columns(plan, prompts, gguf)
     rows += bench_hf(plan, prompts, model)
     print(pivot(rows, "system", baseline="hf"))
+    if any(r["system"] == "llamacpp-server" for r in rows):  # the same rows against llama.cpp's server
+        print(pivot(rows, "system", baseline="llamacpp-server"))
     return rows
