@@ -451,12 +451,16 @@ class _Measure:
     def _weights_logits(self, model: LoadedModel, ids: list[int], answer: list[int]) -> torch.Tensor:
         import torch
 
+        from kvmesh.model.native import LINEAR_ROWS
         from kvmesh.model.quant import SMALL_BATCH
 
         seq = _Sequence(model, len(ids) + len(answer), self.block)
         logits = [seq.extend(ids, self.prefill_rows, 1)]
         if len(answer) > 1:
-            logits.append(seq.extend(answer[:-1], SMALL_BATCH[model.weights], len(answer) - 1))
+            # gguf: steps of 8 rows over earlier context are decode rows of the fused decode step,
+            # each row the bits of a one-token step (tests/unit/model/test_gguf_decode.py)
+            rows = SMALL_BATCH.get(model.weights, LINEAR_ROWS)
+            logits.append(seq.extend(answer[:-1], rows, len(answer) - 1))
         return torch.cat(logits)
 
 
