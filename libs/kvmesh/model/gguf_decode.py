@@ -1,0 +1,265 @@
+"""C++ source of the fused GGUF decode step (``gguf_decode``), compiled into kvmesh.model.gguf_native's
+extension after its block kernels (it calls their ``Lin``, ``make_lin`` and ``mm_rows``); the
+Python side is kvmesh.model.quant.GGUFDecode.
+
+NOTE (what one call does). A step whose T <= 16 rows are all decodes (or tokens of a draft being
+verified, each a decode row over the same blocks) runs every decoder layer in one OpenMP region:
+RMSNorm, qkv (+bias), RoPE, the new keys/values into the paged cache, attention over each row's
+blocks in place, o (+bias) + residual, RMSNorm, gate/up, SiLU * up, down + residual, then the
+final norm. Each matmul splits its output rows over the team (an orphaned ``omp for``); norms and
+SiLU are computed whole by every thread into its own buffer (cheaper than a barrier at a few
+rows); attention is one task per (row, query head). Every row is computed alone, so a row's bits
+do not depend on the rows beside it.
+"""
+
+DECODE_SOURCE = r"""
+// ---- One decode step of the whole decoder stack in one call (see kvmesh.model.quant.GGUFDecode) ----
+
+#if defined(__AVX512F__)
+// e^x for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes expf's
+// coefficients), times 2^n by vscalefps (which also gives 0 and inf past the float range).
+// Within 2 ulp of the correctly rounded value over the float range.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The lanes of a 16-float step at i of n that lie inside n.
+static inline __mmask16 lanes(int64_t i, int64_t n) {
+  return n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+}
+
+// out[m] = x[m] * (1 / sqrt(mean(x[m]^2) + eps)) * w for each of the M rows of D floats, all of
+// them by the calling thread: a step's few rows cost less than a barrier would (every thread
+// computes them into its own buffer, then reads only that).
+static void rms_rows(const float* x, const float* w, int64_t M, int64_t D, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * D;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) { const __m512 v = _mm512_maskz_loadu_ps(lanes(i, D), xm + i); ss = _mm512_fmadd_ps(v, v, ss); }
+    const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + eps);
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < D; i += 16) {
+      const __mmask16 k = lanes(i, D);
+      _mm512_mask_storeu_ps(out + m * D + i, k, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, xm + i), rv), _mm512_maskz_loadu_ps(k, w + i)));
+    }
+  }
+}
+
+// act[m, i] = silu(gu[m, i]) * gu[m, I + i] (gate rows, then up rows), all rows by the calling
+// thread (as rms_rows).
+static void silu_mul_rows(const float* gu, int64_t M, int64_t I, float* act) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 k = lanes(i, I);
+      const __m512 g = _mm512_maskz_loadu_ps(k, gu + m * 2 * I + i), u = _mm512_maskz_loadu_ps(k, gu + m * 2 * I + I + i);
+      const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_mask_storeu_ps(act + m * I + i, k, _mm512_mul_ps(s, u));
+    }
+}
+
+struct Step {  // the step's shapes and where its rows' keys go
+  int64_t T, H, KVH, hd, BS, W;
+  const float *cos, *sin;
+  const int64_t *slots, *bt, *ctx;
+  float scale;
+};
+
+// RoPE on the q and k heads of each row (x cos + rotate_half(x) sin, the unfused path's two
+// roundings and one add), then the row's keys and values into its cache slot.
+static void rope_store(float* qkv, int64_t ldq, const Step& s, float* kc, float* vc) {
+  const int64_t half = s.hd / 2, kvw = s.KVH * s.hd;
+  #pragma omp for schedule(static)
+  for (int64_t t = 0; t < s.T; ++t) {
+    const float* c = s.cos + t * s.hd;
+    const float* sn = s.sin + t * s.hd;
+    float* row = qkv + t * ldq;
+    for (int64_t head = 0; head < s.H + s.KVH; ++head) {
+      float* x = row + head * s.hd;
+      for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 k = lanes(i, half);
+        const __m512 a = _mm512_maskz_loadu_ps(k, x + i), b = _mm512_maskz_loadu_ps(k, x + half + i);
+        const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, c + i)), _mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, sn + i)));
+        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, c + half + i)), _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, sn + half + i)));
+        _mm512_mask_storeu_ps(x + i, k, lo);
+        _mm512_mask_storeu_ps(x + half + i, k, hi);
+      }
+    }
+    std::memcpy(kc + s.slots[t] * kvw, row + s.H * s.hd, kvw * sizeof(float));
+    std::memcpy(vc + s.slots[t] * kvw, row + (s.H + s.KVH) * s.hd, kvw * sizeof(float));
+  }
+}
+
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (a transposing add tree: 30 ops
+// where 16 separate reductions take ~130).
+static inline __m512 sum16(const __m512 v[16]) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i] = a, v[2i+1] = b
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // lane L: lane L's sums of v[4j..4j+3]
+    const __m512d x = _mm512_castps_pd(u[2 * j]), y = _mm512_castps_pd(u[2 * j + 1]);
+    w[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Query head `head` of row t over the row's ctx[t] cached keys (KV head head / G):
+// softmax(q k * scale) v. One task per row and query head, so that a single row's heads keep
+// every thread busy; the keys are walked block by block (no division per position).
+static void attend_rows(const float* qkv, int64_t ldq, const Step& s, const float* kc, const float* vc, float* out) {
+  const int64_t G = s.H / s.KVH, kvw = s.KVH * s.hd, nv = s.hd / 16;
+  #pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < s.T * s.H; ++task) {
+    const int64_t t = task / s.H, head = task % s.H, ctx = s.ctx[t], kvo = (head / G) * s.hd;
+    const int64_t* blocks = s.bt + t * s.W;
+    thread_local std::vector<float> sc;
+    sc.resize(ctx + 16);
+    const float* q = qkv + t * ldq + head * s.hd;
+    __m512 qv[16];
+    for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
+    // scores, 16 positions at a time: 16 dot products' lane vectors, then one transposing sum
+    __m512 mxv = _mm512_set1_ps(-INFINITY);
+    int64_t blk = 0, off = 0;  // the block and offset of position pos + i, walked forward
+    for (int64_t pos = 0; pos < ctx; pos += 16) {
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) {
+        if (pos + i >= ctx) { a[i] = _mm512_setzero_ps(); continue; }
+        const float* k = kc + (blocks[blk] * s.BS + off) * kvw + kvo;
+        if (++off == s.BS) { off = 0; ++blk; }
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), acc);
+        a[i] = acc;
+      }
+      const __mmask16 mk = lanes(pos, ctx);
+      const __m512 v = _mm512_mul_ps(sum16(a), _mm512_set1_ps(s.scale));
+      _mm512_mask_storeu_ps(sc.data() + pos, mk, v);
+      mxv = _mm512_mask_max_ps(mxv, mk, mxv, v);
+    }
+    const float mx = _mm512_reduce_max_ps(mxv);
+    __m512 sum = _mm512_setzero_ps();  // exact softmax
+    for (int64_t pos = 0; pos < ctx; pos += 16) {
+      const __mmask16 mk = lanes(pos, ctx);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc.data() + pos), _mm512_set1_ps(mx)));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+      _mm512_mask_storeu_ps(sc.data() + pos, mk, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    __m512 acc[16];
+    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < ctx; b0 += s.BS) {
+      const float* v = vc + blocks[b0 / s.BS] * s.BS * kvw + kvo;
+      const int64_t n = std::min(s.BS, ctx - b0);
+      for (int64_t o = 0; o < n; ++o, v += kvw) {
+        const __m512 p = _mm512_set1_ps(sc[b0 + o]);
+        for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[j]);
+      }
+    }
+    float* o = out + t * s.H * s.hd + head * s.hd;
+    for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], inv));
+  }
+}
+#endif
+
+// One decode step through every decoder layer and the final norm, for T rows that each bring one
+// new token (a decode, or one token of a verified draft row), all in one OpenMP region:
+// per layer norm, qkv (+bias), RoPE and the new keys/values into the paged cache, attention over
+// each row's context, o (+bias) + residual, norm, gate/up, silu * up, down + residual.
+// h [T, D] (the embeddings; overwritten with the residual stream); cos/sin [T, hd]; per layer 4
+// linears (qkv, o, gate_up, down) of nparts[i] parts each, biases[i] ([N] or empty), norms
+// (2 per layer, then the final one); k/v caches [NB, BS, KVH, hd]; slots [T]; block_tables
+// [T, W]; ctx [T] (keys row t attends to, its own included). Returns the final-normed [T, D].
+torch::Tensor gguf_decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> blocks,
+                          std::vector<int64_t> types, std::vector<int64_t> nparts, std::vector<torch::Tensor> biases,
+                          std::vector<torch::Tensor> norms, std::vector<torch::Tensor> k_caches,
+                          std::vector<torch::Tensor> v_caches, torch::Tensor slots, torch::Tensor block_tables,
+                          torch::Tensor ctx, int64_t heads, int64_t kv_heads, double scale, double eps) {
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "gguf_decode: built without AVX-512");
+#else
+  auto f32 = [](const torch::Tensor& t, const char* what) {
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), "gguf_decode: ", what, " must be contiguous fp32 on CPU");
+  };
+  f32(h, "h"); f32(cos, "cos"); f32(sin, "sin");
+  const int64_t L = k_caches.size(), T = h.size(0), D = h.size(1), hd = cos.size(1);
+  TORCH_CHECK(L > 0 && (int64_t)v_caches.size() == L && (int64_t)nparts.size() == 4 * L && (int64_t)biases.size() == 4 * L
+              && (int64_t)norms.size() == 2 * L + 1, "gguf_decode: per layer 4 linears, 4 biases, 2 norms, a k and a v cache");
+  TORCH_CHECK(T >= 1 && T <= MAX_ROWS && cos.size(0) == T && sin.size(0) == T, "gguf_decode: 1..", MAX_ROWS, " rows with cos/sin each");
+  TORCH_CHECK(heads % kv_heads == 0 && hd % 16 == 0 && hd <= 256, "gguf_decode: unsupported head shape");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && block_tables.dtype() == torch::kInt64 && ctx.dtype() == torch::kInt64 &&
+              slots.is_contiguous() && block_tables.is_contiguous() && ctx.is_contiguous() &&
+              slots.numel() == T && ctx.numel() == T && block_tables.dim() == 2 && block_tables.size(0) == T, "gguf_decode: bad step metadata");
+  std::vector<Lin> lins;
+  size_t p = 0;
+  for (int64_t i = 0; i < 4 * L; ++i) {
+    const int64_t kind = i % 4;  // qkv, o, gate_up, down
+    int64_t K = kind == 1 ? heads * hd : kind == 3 ? -1 : D;
+    if (kind == 3) K = lins.back().N / 2;
+    TORCH_CHECK(p + nparts[i] <= blocks.size() && nparts[i] >= 1, "gguf_decode: parts out of range");
+    lins.push_back(make_lin(blocks, types, p, nparts[i], K));
+    p += nparts[i];
+    if (biases[i].numel()) {
+      f32(biases[i], "a bias");
+      TORCH_CHECK(biases[i].numel() == lins.back().N, "gguf_decode: bias size");
+      lins.back().bias = biases[i].data_ptr<float>();
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    TORCH_CHECK(lins[4 * l].N == (heads + 2 * kv_heads) * hd && lins[4 * l + 1].N == D && lins[4 * l + 3].N == D &&
+                lins[4 * l + 2].N % 2 == 0, "gguf_decode: layer ", l, " shapes");
+    for (const auto& c : {k_caches[l], v_caches[l]}) {
+      f32(c, "a KV cache");
+      TORCH_CHECK(c.dim() == 4 && c.size(2) == kv_heads && c.size(3) == hd, "gguf_decode: KV cache shape");
+    }
+  }
+  for (const auto& n : norms) { f32(n, "a norm weight"); TORCH_CHECK(n.numel() == D, "gguf_decode: norm size"); }
+  Step s{T, heads, kv_heads, hd, k_caches[0].size(1), block_tables.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+         slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), (float)scale};
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(s.ctx[t] >= 1 && s.ctx[t] <= s.W * s.BS && s.slots[t] >= 0 && s.slots[t] < k_caches[0].size(0) * s.BS,
+                "gguf_decode: row ", t, " context or slot out of range");
+  const int64_t Nqkv = lins[0].N, I = lins[2].N / 2;
+  std::vector<float> qkv(T * Nqkv), att(T * heads * hd), gu(T * 2 * I);
+  auto out = torch::empty({T, D}, h.options());
+  float* hp = h.data_ptr<float>();
+  const float e = (float)eps;
+  #pragma omp parallel
+  {
+    // per thread: the normed rows and the SiLU products, which every thread computes whole and
+    // reads whole (the matmuls that follow need all of them): two barriers a layer fewer
+    std::vector<float> xn(T * D), act(T * I);
+    for (int64_t l = 0; l < L; ++l) {
+      float* kc = k_caches[l].data_ptr<float>();
+      float* vc = v_caches[l].data_ptr<float>();
+      rms_rows(hp, norms[2 * l].data_ptr<float>(), T, D, e, xn.data());
+      mm_rows<false>(xn.data(), T, lins[4 * l], qkv.data(), Nqkv);
+      rope_store(qkv.data(), Nqkv, s, kc, vc);
+      attend_rows(qkv.data(), Nqkv, s, kc, vc, att.data());
+      mm_rows<true>(att.data(), T, lins[4 * l + 1], hp, D);
+      rms_rows(hp, norms[2 * l + 1].data_ptr<float>(), T, D, e, xn.data());
+      mm_rows<false>(xn.data(), T, lins[4 * l + 2], gu.data(), 2 * I);
+      silu_mul_rows(gu.data(), T, I, act.data());
+      mm_rows<true>(act.data(), T, lins[4 * l + 3], hp, D);
+    }
+    #pragma omp single
+    rms_rows(hp, norms[2 * L].data_ptr<float>(), T, D, e, out.data_ptr<float>());
+  }
+  return out;
+#endif
+}
+"""
