@@ -259,10 +259,13 @@ def load_quantized(path: str | Path, *, cache_dir: str | Path | None = None,
     entry, _ = ensure_converted(path, cache_dir=cache_dir, progress=False, digest=digest)
     saved = entry / BLOCKS_FILE
     if saved.is_file():
+        out = {}
         with safe_open(str(saved), framework="pt") as f:
             meta = f.metadata()
-            return {name: QuantizedTensor(*(int(v) for v in meta[name].split(",")[:1]), f.get_tensor(name),
-                                          int(meta[name].split(",")[1])) for name in f.keys()}
+            for name in f.keys():
+                qtype, in_features = (int(v) for v in meta[name].split(","))
+                out[name] = QuantizedTensor(qtype, f.get_tensor(name), in_features)
+        return out
     out = read_quantized(path)
     fd, tmp = tempfile.mkstemp(prefix=".blocks-", suffix=".safetensors", dir=entry)
     os.close(fd)
