@@ -193,8 +193,11 @@ template <int S> using Slot = std::integral_constant<int, S>;
 // Walks one weight row, calling emit(Slot<s>{}, k0, w) with w the 16 dequantized fp32 weights
 // at columns k0..k0+15 (exactly dequant_row's values, see above); the slot depends only on the
 // position in the row.
+// Always inlined: as a call of its own it keeps the caller's accumulators in memory, storing
+// each after every FMA (measured: 9.1 -> 7.5 cycles per Q4_1 block at one row, and the 4-row
+// pass 12.8 -> 8.5 ms over SmolLM2-135M's decoder, when inlined).
 template <class Emit>
-static inline void decode_row(const uint8_t* r, int64_t t, int64_t K, Emit&& emit) {
+__attribute__((always_inline)) static inline void decode_row(const uint8_t* r, int64_t t, int64_t K, Emit&& emit) {
   switch (t) {
     case T_Q4_0: {
       const __m512 codes = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));  // q - 8 for q = 0..15
