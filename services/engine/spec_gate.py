@@ -1,55 +1,141 @@
-"""Does speculation pay right now? The engine's own measurement, for ADAPTIVE requests.
+"""What ADAPTIVE requests do in a step: the engine's own measurement picks it.
 
-The draft service's adaptive policy prices drafts from acceptance and from the costs it is told;
-what it cannot see is how expensive verification is in this engine at this batch size (on a
-2-core CPU a step turns compute-bound at a few rows, so drafts that pay alone cost more than they
-save in a batch of 8). The gate measures it: decode throughput of steps that let ADAPTIVE
-requests draft against steps that did not, per batch-size bucket, and lets them draft only while
-that is the faster of the two.
+The draft service's adaptive policy prices drafts from acceptance and from costs it is told; what
+it cannot see is what verification costs in this engine at this batch size, or what its own
+model drafter costs next to this engine's step. Both moved a lot between weight formats: with
+fp32 weights a step of 1-8 decode rows streams the weights once, so 7 drafts cost ~1.5x a plain
+step; the exact GGUF block kernel is compute-bound, so each verified row costs ~40% of a plain
+step and 7 drafts cost ~3.7x. A fixed price is wrong for one of them, and on a noisy 2-core
+machine a comparison of a few steps is wrong half the time. So the gate measures arms.
 
-NOTE (the rule). Per bucket (1, 2, 3-4, 5-8, 9-16, ... running decodes), two decayed sums of
-(tokens emitted, seconds from before the Propose call to the end of the step) over pure decode
-steps (no prefill in them): `spec` for steps where ADAPTIVE requests could draft, `plain` where
-they could not. Until each side has `min_steps`, each step goes to the side with fewer;
-afterwards the faster side (tokens per second) wins and the other still gets one
-step in `explore_every`, so a change (a different mix of requests, a recovered draft service)
-is noticed. Plain Python, deterministic: a step counter, no clock, no randomness.
+NOTE (the rule). An arm is what ADAPTIVE requests do in one step: no drafts, n-gram drafts of at
+most 3 or of the engine's full draft length per sequence, or the draft service's adaptive choice
+(`default_arms`). Per batch-size bucket (1, 2, 3-4, 5-8, ...) and arm the gate keeps the last
+`window` pure decode steps it ran: tokens emitted, and seconds from before the Propose call to
+the end of the step, each capped at twice the window's median, so that a step stretched by the
+machine (another process, a page fault) counts as at most twice a typical one.
+- Price. An arm's rate is R = sum(tokens) / sum(seconds), with the ratio estimator's standard
+  error SE (from the residuals tokens - R * seconds). The arm with the highest R - z * SE runs
+  (z = `confidence`, 1), ties to the earlier arm. Plain steps emit one token each and barely
+  vary, while a drafting arm's tokens per step vary from 1 to k + 1. A drafting arm therefore
+  takes over only once it is faster by more than its own noise: a lucky run of a few steps
+  does not switch the engine to drafting that costs more than it brings. An arm with fewer
+  than 2 steps has no SE and is not chosen on price.
+- Warm-up. Until every arm has `min_steps`, each step goes to the arm with the fewest; one step
+  suffices for an arm whose step lasted over 8x the quickest arm's typical step (the model
+  drafter here), which exploration then prices at its cost.
+- Exploration, budgeted in time, not steps. Another arm is due once the bucket's measured seconds
+  since it last ran reach its typical step (its window's median seconds) times (arms - 1) /
+  share. The share is `plausible_share` (25%) while the arm might still be the better one (its
+  R + z * SE, or 2R after a single step, reaches the running arm's R - z * SE) and
+  `explore_share` (5%) once it is clearly worse. The due arm measured longest ago runs: all exploring of clearly worse arms together
+  costs at most about 5% of the time, and an arm that may be better is learnt 5x as fast. A step-count schedule would not do: the
+  draft service's model drafter costs ~30 ms per drafted token on this CPU, one 7-draft step of
+  it lasts as long as ~30 plain gguf steps, and such a schedule would spend a third of the time
+  there. A change (another workload, a recovered draft service) is still noticed.
+
+Plain Python, deterministic: the seconds are the recorded ones, no clock, no randomness.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
+
+from kvmesh.services.engine.speculation import SpecMode
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What ADAPTIVE requests do in one step: draft from `mode`'s drafter (None: no drafts), at
+    most `max_draft` tokens per sequence (on top of the engine's own fit to the step)."""
+
+    mode: Optional[SpecMode]
+    max_draft: int = 0
+
+    def __str__(self) -> str:
+        return "off" if self.mode is None else f"{self.mode.value}<={self.max_draft}"
+
+
+PLAIN = Arm(None, 0)
+
+
+def default_arms(max_draft_tokens: int, short: int = 3) -> tuple[Arm, ...]:
+    """No drafts; n-gram drafts of at most `short` and at most `max_draft_tokens` per sequence
+    (one arm when they are equal); the draft service's adaptive choice at `max_draft_tokens` (its
+    model drafter is the expensive one to explore, so it gets one length)."""
+    if max_draft_tokens < 1:
+        return (PLAIN,)
+    lengths = sorted({min(short, max_draft_tokens), max_draft_tokens})
+    return (PLAIN, *(Arm(SpecMode.NGRAM, k) for k in lengths), Arm(SpecMode.ADAPTIVE, max_draft_tokens))
 
 
 @dataclass
-class _Throughput:
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: int = 0
+class _Samples:
+    steps: deque = field(default_factory=deque)  # (tokens, seconds) of the last `window` steps
+    last_step: int = -1                          # bucket step at which the arm last ran
+    last_seconds: float = 0.0                    # the bucket's measured seconds when it last ran
 
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-        self.steps += 1
+    def capped(self) -> list[tuple[float, float]]:
+        cap = 2.0 * statistics.median(s for _, s in self.steps)
+        return [(t, min(s, cap)) for t, s in self.steps]
 
-    @property
+    def typical(self) -> float:
+        return statistics.median(s for _, s in self.steps) if self.steps else 0.0
+
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Tokens per second over the window (0.0 before any step)."""
+        if not self.steps:
+            return 0.0
+        steps = self.capped()
+        seconds = sum(s for _, s in steps)
+        return sum(t for t, _ in steps) / seconds if seconds > 0 else 0.0
+
+    def error(self) -> float:
+        """The rate's standard error (ratio estimator); inf with fewer than 2 steps."""
+        n = len(self.steps)
+        if n < 2:
+            return float("inf")
+        steps, r = self.capped(), self.rate()
+        mean_s = sum(s for _, s in steps) / n
+        var = sum((t - r * s) ** 2 for t, s in steps) / (n - 1)
+        return (var / n) ** 0.5 / mean_s if mean_s > 0 else float("inf")
+
+    def lower(self, z: float) -> float:
+        return self.rate() - z * self.error()
+
+    def upper(self, z: float) -> float:
+        """rate + z * its standard error; twice the rate after a single step (an arm left at one
+        warm-up step because it is expensive), inf before any."""
+        if len(self.steps) == 1:
+            return 2.0 * self.rate()
+        return self.rate() + z * self.error()
 
 
 @dataclass
 class _Bucket:
-    spec: _Throughput = field(default_factory=_Throughput)
-    plain: _Throughput = field(default_factory=_Throughput)
+    arms: dict[Arm, _Samples]
     step: int = 0
+    seconds: float = 0.0  # every measured step
 
 
 class SpecGate:
-    """Decides per step whether ADAPTIVE requests may draft (see the module NOTE)."""
+    """Picks each step's arm for ADAPTIVE requests from measured throughput (see the module NOTE)."""
 
-    def __init__(self, *, explore_every: int = 32, min_steps: int = 4, decay: float = 0.8) -> None:
-        if explore_every < 2 or min_steps < 1 or not 0 < decay <= 1:
-            raise ValueError("need explore_every >= 2, min_steps >= 1 and 0 < decay <= 1")
-        self.explore_every, self.min_steps, self.decay = explore_every, min_steps, decay
+    def __init__(self, arms: Sequence[Arm] = default_arms(7), *, explore_share: float = 0.05,
+                 plausible_share: float = 0.25, confidence: float = 1.0, min_steps: int = 3,
+                 window: int = 24) -> None:
+        if not arms or len(set(arms)) != len(arms):
+            raise ValueError("need at least one arm, each once")
+        if (not 0 < explore_share <= plausible_share < 1 or confidence < 0 or min_steps < 1
+                or window < max(min_steps, 2)):
+            raise ValueError("need 0 < explore_share <= plausible_share < 1, confidence >= 0, "
+                             "min_steps >= 1 and window >= max(min_steps, 2)")
+        self.arms = tuple(arms)
+        self.explore_share, self.plausible_share, self.confidence = explore_share, plausible_share, confidence
+        self.min_steps, self.window = min_steps, window
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -57,22 +143,56 @@ class SpecGate:
         """1, 2, 3-4, 5-8, ... -> 0, 1, 2, 3, ..."""
         return max(batch - 1, 0).bit_length()
 
-    def allow(self, batch: int) -> bool:
-        """Whether ADAPTIVE requests draft in this step of `batch` running decodes."""
-        b = self._buckets.setdefault(self.bucket(batch), _Bucket())
+    def _bucket(self, batch: int) -> _Bucket:
+        key = self.bucket(batch)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket({arm: _Samples() for arm in self.arms})
+        return self._buckets[key]
+
+    def _best(self, b: _Bucket) -> Arm:
+        return max(self.arms, key=lambda a: b.arms[a].lower(self.confidence))  # first of equals
+
+    def choose(self, batch: int) -> Arm:
+        """The arm ADAPTIVE requests follow in this step of `batch` running decodes."""
+        b = self._bucket(batch)
         b.step += 1
-        explore = b.step % self.explore_every == 0
-        if b.spec.steps < self.min_steps or b.plain.steps < self.min_steps:
-            return b.spec.steps <= b.plain.steps  # warming up: the side with fewer samples
-        spec_wins = b.spec.rate >= b.plain.rate
-        return spec_wins != explore
+        quick = min((b.arms[a].typical() for a in self.arms if b.arms[a].steps), default=0.0)
+        warming = [a for a in self.arms if len(b.arms[a].steps) < self.min_steps
+                   and not (b.arms[a].steps and b.arms[a].typical() > 8 * quick)]
+        if warming:
+            arm = min(warming, key=lambda a: len(b.arms[a].steps))
+        else:
+            arm = self._best(b)
+            floor = b.arms[arm].lower(self.confidence)
 
-    def record(self, batch: int, allowed: bool, tokens: int, seconds: float) -> None:
-        """One pure decode step: `tokens` emitted in `seconds` (Propose call included)."""
-        b = self._buckets.setdefault(self.bucket(batch), _Bucket())
-        (b.spec if allowed else b.plain).add(tokens, seconds, self.decay)
+            def spread(a: Arm) -> float:
+                share = self.plausible_share if b.arms[a].upper(self.confidence) >= floor else self.explore_share
+                return (len(self.arms) - 1) / share
 
-    def rates(self, batch: int) -> tuple[float, float]:
-        """(speculating, plain) tokens per second measured for this batch size's bucket."""
-        b = self._buckets.get(self.bucket(batch), _Bucket())
-        return b.spec.rate, b.plain.rate
+            due = [a for a in self.arms if a != arm
+                   and b.seconds - b.arms[a].last_seconds >= b.arms[a].typical() * spread(a)]
+            if due:
+                arm = min(due, key=lambda a: b.arms[a].last_step)
+        b.arms[arm].last_step = b.step
+        return arm
+
+    def current(self, batch: int) -> Arm:
+        """The best-priced arm so far, for a step the gate does not measure (one with a prefill in
+        it): no step counted, nothing explored; the first arm (no drafts) before any measurement."""
+        b = self._buckets.get(self.bucket(batch))
+        return self.arms[0] if b is None else self._best(b)
+
+    def record(self, batch: int, arm: Arm, tokens: int, seconds: float) -> None:
+        """One pure decode step that ran `arm`: `tokens` emitted in `seconds` (Propose included)."""
+        b = self._bucket(batch)
+        b.seconds += seconds
+        samples = b.arms[arm]
+        samples.last_seconds = b.seconds
+        samples.steps.append((tokens, seconds))
+        while len(samples.steps) > self.window:
+            samples.steps.popleft()
+
+    def rates(self, batch: int) -> dict[Arm, float]:
+        """Each arm's measured tokens per second in this batch size's bucket (0.0: not measured)."""
+        b = self._buckets.get(self.bucket(batch))
+        return {arm: (b.arms[arm].rate() if b else 0.0) for arm in self.arms}

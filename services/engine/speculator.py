@@ -2,9 +2,10 @@
 tokens, and what the verification of a step's drafts emits.
 
 NOTE (who decides what). The engine owns the draft length: `SpecConfig` bounds it by what a step
-can verify cheaply (`draft_tokens`), and the `SpecGate` lets ADAPTIVE requests draft only while
-drafting steps are measured faster at the current batch size. The draft service only proposes,
-up to the length asked, with the drafter the request's mode names (ADAPTIVE: the one whose
+can verify cheaply (`draft_tokens`), and the `SpecGate` picks, per step, what ADAPTIVE requests
+do -- no drafts, n-gram drafts, or the draft service's adaptive choice, each at a short or the full
+length -- from the throughput it measured for each at the current batch size. The draft service
+only proposes, up to the length asked, with the drafter named (ADAPTIVE: the one whose
 acceptance it has seen pay). Verification itself is kvmesh.services.engine.speculation.
 
 Hooks, called by EngineCore on the step-loop thread:
@@ -29,7 +30,7 @@ from kvmesh.services.engine.runner import DraftLogits
 from kvmesh.services.engine.sampler import TokenLogprobs, token_logprobs
 from kvmesh.services.engine.scheduler import Scheduler
 from kvmesh.services.engine.sequence import Sequence
-from kvmesh.services.engine.spec_gate import SpecGate
+from kvmesh.services.engine.spec_gate import Arm, SpecGate, default_arms
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage, verify_batch
 
 
@@ -77,11 +78,11 @@ class Speculator:
         self.drafts = drafts
         self.scheduler = scheduler
         self.config = config
-        self.gate = gate or SpecGate()
+        self.gate = gate or SpecGate(default_arms(config.max_draft_tokens))
         self.totals = SpecUsage()
         """Counters over every request since start."""
         self._requests: dict[str, _Request] = {}
-        self._gated: Optional[tuple[int, bool]] = None  # this step's (batch, allowed), when measured
+        self._gated: Optional[tuple[int, Arm]] = None  # this step's (batch, arm), when measured
         self._step_start = 0.0
 
     def add(self, request_id: str, mode: Optional[SpecMode], timeline: Timeline,
@@ -105,27 +106,28 @@ class Speculator:
     def propose(self) -> dict[Sequence, list[int]]:
         """Drafts for every running decode that speculates and may still emit 2+ tokens (at
         most that many less one, so an accepted run never passes max_tokens): one Propose call,
-        answered within the client's deadline or not at all. ADAPTIVE requests draft only when
-        the gate allows this step."""
+        answered within the client's deadline or not at all. ADAPTIVE requests follow the arm
+        the gate picks for this step (a step it does not measure: the best one it measured)."""
         self._step_start = time.perf_counter()
         self._gated = self._gate_step()
         if not self.drafts.available:
             return {}
-        adaptive_off = self._gated is not None and not self._gated[1]
+        arm = self._gated[1] if self._gated is not None else self.gate.current(len(self.scheduler.running))
         candidates = []
         for seq in self.scheduler.running:
-            mode = self._requests[seq.request_id].mode
-            if (mode is SpecMode.OFF or not seq.output_token_ids
-                    or seq.num_tokens - seq.num_computed_tokens != 1
-                    or (adaptive_off and mode is SpecMode.ADAPTIVE)):
+            mode, cap = self._requests[seq.request_id].mode, self.config.max_draft_tokens
+            if mode is SpecMode.ADAPTIVE:
+                mode, cap = arm.mode, arm.max_draft
+            if (mode is None or mode is SpecMode.OFF or not seq.output_token_ids
+                    or seq.num_tokens - seq.num_computed_tokens != 1):
                 continue
             if seq.params.max_tokens - seq.num_output_tokens > 1:
-                candidates.append((seq, mode))
+                candidates.append((seq, mode, cap))
         per_seq = self.config.draft_tokens(len(candidates))
         if not candidates or per_seq == 0:
             return {}
-        queries = [DraftQuery(seq, min(per_seq, seq.params.max_tokens - seq.num_output_tokens - 1), mode)
-                   for seq, mode in candidates]
+        queries = [DraftQuery(seq, min(per_seq, cap, seq.params.max_tokens - seq.num_output_tokens - 1), mode)
+                   for seq, mode, cap in candidates]
         # The Propose call (one for the batch) becomes a span of the first speculating request.
         first = self._requests[queries[0].seq.request_id]
         token = otel_context.attach(first.trace_context or Context())
@@ -134,9 +136,9 @@ class Speculator:
         finally:
             otel_context.detach(token)
 
-    def _gate_step(self) -> Optional[tuple[int, bool]]:
-        """(batch, whether ADAPTIVE requests may draft) for a pure decode step that has ADAPTIVE
-        requests in it, from the gate; None for any other step (it is not measured)."""
+    def _gate_step(self) -> Optional[tuple[int, Arm]]:
+        """(batch, what ADAPTIVE requests do) for a pure decode step that has ADAPTIVE requests
+        in it, from the gate; None for any other step (it is not measured)."""
         sched = self.scheduler
         if sched.waiting or not sched.running:
             return None
@@ -144,7 +146,7 @@ class Speculator:
             return None
         if not any(self._requests[s.request_id].mode is SpecMode.ADAPTIVE for s in sched.running):
             return None
-        return len(sched.running), self.gate.allow(len(sched.running))
+        return len(sched.running), self.gate.choose(len(sched.running))
 
     # ---- after the forward -------------------------------------------------------------------
 
