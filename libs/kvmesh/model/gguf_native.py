@@ -15,6 +15,14 @@ order (4 FMA chains per row, fixed by the position in the row, so a row's result
 bits whatever M -- a draft-verify step computes each row as a plain decode step would).
 Activations stay fp32: nothing is quantized at run time (llama.cpp rounds them to 8 bits).
 
+NOTE (measured bound, one core, weights in L2). A block of 32 weights costs ~6.5 cycles in long
+rows (~7.5 at K = 576) for Q4_1 and Q8_0 alike: near this core's issue rate for 512-bit ops
+(one FMA, vpermps or vcvtdq2ps per cycle, ~1.5 mixed). Three exact alternatives were measured
+and dropped: a repacked layout (scales apart, 4 blocks' codes per 64-byte load: no byte-to-lane
+shuffle or scale broadcast per block) gave the same bits and no speed; codes through vcvtdq2ps
+and one FMA each instead of the table was slower; two weight rows per pass sharing the x loads
+gave nothing.
+
 NOTE (speed). A decode step (1-8 rows) streams ~70 MB of Q4_1 decoder weights plus ~30 MB of
 the Q8_0 output projection for SmolLM2-135M, a quarter of the fp32 bytes. With fp32 activations
 it is compute-bound on this CPU rather than bound by memory (one core: ~7 ms for the 66 MB of
