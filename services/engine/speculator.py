@@ -3,8 +3,8 @@ tokens, and what the verification of a step's drafts emits.
 
 NOTE (who decides what). The engine owns the draft length: `SpecConfig` bounds it by what a step
 can verify cheaply (`draft_tokens`), and the `SpecGate` picks, per step, what ADAPTIVE requests
-do -- no drafts, n-gram drafts, or the draft service's adaptive choice, each at a short or the full
-length -- from the throughput it measured for each at the current batch size. The draft service
+do -- no drafts, n-gram drafts of at most 3 or of the full length, or the draft service's
+adaptive choice -- from the throughput it measured for each at the current batch size. The draft service
 only proposes, up to the length asked, with the drafter named (ADAPTIVE: the one whose
 acceptance it has seen pay). Verification itself is kvmesh.services.engine.speculation.
 
