@@ -161,7 +161,10 @@ async def test_speculative_decoding_counters(tiny, metrics_url, engine_metrics):
     full = ids + reference
     fake = FakeDraftService(lambda rid, history, k: full[len(history):len(history) + k])
     try:
-        core = make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, spec_max_draft_tokens=4)
+        # n-gram mode: every step drafts (ADAPTIVE requests follow the SpecGate's arms, whose
+        # exploration has its own tests)
+        core = make_core(tiny, draft_address=fake.address, draft_timeout_s=5.0, spec_max_draft_tokens=4,
+                         speculation="ngram")
         with instrumented(core, engine_metrics) as engine:
             d = Deltas(metrics_url)
             final = await generate(engine, ids, max_tokens=12)

@@ -8,8 +8,10 @@ RMSNorm, qkv (+bias), RoPE, the new keys/values into the paged cache, attention 
 blocks in place, o (+bias) + residual, RMSNorm, gate/up, SiLU * up, down + residual, then the
 final norm. Each matmul splits its output rows over the team (an orphaned ``omp for``); norms and
 SiLU are computed whole by every thread into its own buffer (cheaper than a barrier at a few
-rows); attention is one task per (row, query head). Every row is computed alone, so a row's bits
-do not depend on the rows beside it.
+rows); attention is one task per (row, query head) below 256 positions of context, and from
+there one per (row, KV head, split of the context), each key and value read from memory once for
+the KV head's query heads, then a merge of the splits (see attend_rows).
+Every row is computed alone, so a row's bits do not depend on the rows beside it.
 """
 
 DECODE_SOURCE = r"""
@@ -119,59 +121,146 @@ static inline __m512 sum16(const __m512 v[16]) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Query head `head` of row t over the row's ctx[t] cached keys (KV head head / G):
-// softmax(q k * scale) v. One task per row and query head, so that a single row's heads keep
-// every thread busy; the keys are walked block by block (no division per position).
-static void attend_rows(const float* qkv, int64_t ldq, const Step& s, const float* kc, const float* vc, float* out) {
+constexpr int64_t ATT_SPLITS = 4, ATT_GROUPED = 256;
+// How a row's attention is cut into tasks, a function of its context alone (so a row's bits never
+// depend on the rows beside it: a verified draft row attends exactly as a plain decode at its
+// position would). Below ATT_GROUPED positions: one task per query head, the context whole (the
+// keys are in cache anyway, and G tasks a KV head balance the threads). From there: one task per
+// KV head and split of the context, all G query heads of the KV head together (each key and value
+// read from memory once for them), one split per 128 positions up to ATT_SPLITS.
+static inline int64_t att_splits(int64_t ctx) {
+  return ctx < ATT_GROUPED ? 1 : std::min<int64_t>(ATT_SPLITS, ctx / 128);
+}
+static inline int64_t att_heads(int64_t ctx, int64_t G) { return ctx < ATT_GROUPED ? 1 : G; }
+
+// Attention of every row over its ctx[t] cached keys, in up to two passes over OpenMP tasks.
+// 1. One task per (row, group of att_heads query heads of a KV head, split of the context):
+//    scores 16 positions at a time with a transposing sum, walking blocks without a division per
+//    position; the exact softmax; every value row read once for the task's heads. A row of one
+//    split writes its normalised output; otherwise, per (row, query head, split), the split's max
+//    score m, l = sum exp(score - m) and the unnormalised sum of exp(score - m) v (`part`, `ml`).
+// 2. One task per (row, query head) of a row with several splits: out = sum_s w_s acc_s /
+//    sum_s w_s l_s with w_s = exp(m_s - max_s m_s) (the same softmax, regrouped).
+// The phase-1 tasks of a step, 4 ints each: row, first query head, heads, split.
+static std::vector<int32_t> att_tasks(const Step& s) {
+  const int64_t G = s.H / s.KVH;
+  std::vector<int32_t> tasks;
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t S = att_splits(s.ctx[t]), hg = att_heads(s.ctx[t], G);
+    for (int64_t h0 = 0; h0 < s.H; h0 += hg)
+      for (int64_t sp = 0; sp < S; ++sp) tasks.insert(tasks.end(), {(int32_t)t, (int32_t)h0, (int32_t)hg, (int32_t)sp});
+  }
+  return tasks;
+}
+
+// `tasks`: att_tasks(s); `several`: whether any row has more than one split.
+static void attend_rows(const float* qkv, int64_t ldq, const Step& s, const float* kc, const float* vc,
+                        const std::vector<int32_t>& tasks, float* part, float* ml, bool several, float* out) {
   const int64_t G = s.H / s.KVH, kvw = s.KVH * s.hd, nv = s.hd / 16;
   #pragma omp for schedule(dynamic, 1)
-  for (int64_t task = 0; task < s.T * s.H; ++task) {
-    const int64_t t = task / s.H, head = task % s.H, ctx = s.ctx[t], kvo = (head / G) * s.hd;
+  for (int64_t task = 0; task < (int64_t)tasks.size() / 4; ++task) {
+    const int64_t t = tasks[4 * task], h0 = tasks[4 * task + 1], hg = tasks[4 * task + 2], sp = tasks[4 * task + 3];
+    const int64_t ctx = s.ctx[t], S = att_splits(ctx);
+    const int64_t p0 = ctx * sp / S, n = ctx * (sp + 1) / S - p0, kvo = (h0 / G) * s.hd;
     const int64_t* blocks = s.bt + t * s.W;
     thread_local std::vector<float> sc;
-    sc.resize(ctx + 16);
-    const float* q = qkv + t * ldq + head * s.hd;
-    __m512 qv[16];
-    for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
-    // scores, 16 positions at a time: 16 dot products' lane vectors, then one transposing sum
-    __m512 mxv = _mm512_set1_ps(-INFINITY);
-    int64_t blk = 0, off = 0;  // the block and offset of position pos + i, walked forward
-    for (int64_t pos = 0; pos < ctx; pos += 16) {
-      __m512 a[16];
-      for (int i = 0; i < 16; ++i) {
-        if (pos + i >= ctx) { a[i] = _mm512_setzero_ps(); continue; }
-        const float* k = kc + (blocks[blk] * s.BS + off) * kvw + kvo;
-        if (++off == s.BS) { off = 0; ++blk; }
-        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), acc);
-        a[i] = acc;
+    sc.resize(hg * (n + 16));
+    float mg[64], lg[64];  // per query head of the task (G <= 64)
+    for (int64_t g = 0; g < hg; ++g) {
+      const float* q = qkv + t * ldq + (h0 + g) * s.hd;
+      float* scg = sc.data() + g * (n + 16);
+      __m512 qv[16];
+      for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
+      __m512 mxv = _mm512_set1_ps(-INFINITY);
+      int64_t blk = p0 / s.BS, off = p0 % s.BS;  // the block and offset of position p0 + i, walked forward
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) {
+          if (i0 + i >= n) { a[i] = _mm512_setzero_ps(); continue; }
+          const float* k = kc + (blocks[blk] * s.BS + off) * kvw + kvo;
+          if (++off == s.BS) { off = 0; ++blk; }
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+          for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), acc);
+          a[i] = acc;
+        }
+        const __mmask16 mk = lanes(i0, n);
+        const __m512 v = _mm512_mul_ps(sum16(a), _mm512_set1_ps(s.scale));
+        _mm512_mask_storeu_ps(scg + i0, mk, v);
+        mxv = _mm512_mask_max_ps(mxv, mk, mxv, v);
       }
-      const __mmask16 mk = lanes(pos, ctx);
-      const __m512 v = _mm512_mul_ps(sum16(a), _mm512_set1_ps(s.scale));
-      _mm512_mask_storeu_ps(sc.data() + pos, mk, v);
-      mxv = _mm512_mask_max_ps(mxv, mk, mxv, v);
+      const float mx = _mm512_reduce_max_ps(mxv);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const __mmask16 mk = lanes(i0, n);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, scg + i0), _mm512_set1_ps(mx)));
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+        _mm512_mask_storeu_ps(scg + i0, mk, e);
+      }
+      mg[g] = mx;
+      lg[g] = _mm512_reduce_add_ps(sum);
     }
-    const float mx = _mm512_reduce_max_ps(mxv);
-    __m512 sum = _mm512_setzero_ps();  // exact softmax
-    for (int64_t pos = 0; pos < ctx; pos += 16) {
-      const __mmask16 mk = lanes(pos, ctx);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sc.data() + pos), _mm512_set1_ps(mx)));
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
-      _mm512_mask_storeu_ps(sc.data() + pos, mk, e);
+    // the values, block by block, each row read once for the task's heads; acc[g * nv + j]
+    __m512 accs[64];
+    thread_local std::vector<__m512> accv;
+    __m512* acc = accs;
+    if (hg * nv > 64) {
+      accv.resize(hg * nv);
+      acc = accv.data();
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    __m512 acc[16];
-    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < ctx; b0 += s.BS) {
-      const float* v = vc + blocks[b0 / s.BS] * s.BS * kvw + kvo;
-      const int64_t n = std::min(s.BS, ctx - b0);
-      for (int64_t o = 0; o < n; ++o, v += kvw) {
-        const __m512 p = _mm512_set1_ps(sc[b0 + o]);
-        for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[j]);
+    for (int64_t j = 0; j < hg * nv; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n;) {
+      const int64_t off = (p0 + i) % s.BS, m = std::min(s.BS - off, n - i);
+      const float* v = vc + (blocks[(p0 + i) / s.BS] * s.BS + off) * kvw + kvo;
+      if (hg == 1) {
+        for (int64_t o = 0; o < m; ++o, ++i, v += kvw) {
+          const __m512 p = _mm512_set1_ps(sc[i]);
+          for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[j]);
+        }
+        continue;
+      }
+      for (int64_t o = 0; o < m; ++o, ++i, v += kvw) {
+        __m512 vv[16];
+        for (int64_t j = 0; j < nv; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+        for (int64_t g = 0; g < hg; ++g) {
+          const __m512 p = _mm512_set1_ps(sc[g * (n + 16) + i]);
+          for (int64_t j = 0; j < nv; ++j) acc[g * nv + j] = _mm512_fmadd_ps(p, vv[j], acc[g * nv + j]);
+        }
       }
     }
-    float* o = out + t * s.H * s.hd + head * s.hd;
-    for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], inv));
+    for (int64_t g = 0; g < hg; ++g) {
+      const int64_t head = h0 + g;
+      if (S == 1) {  // the whole context: normalise into the output now
+        const __m512 inv = _mm512_set1_ps(1.f / lg[g]);
+        float* o = out + t * s.H * s.hd + head * s.hd;
+        for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[g * nv + j], inv));
+        continue;
+      }
+      const int64_t at = (t * s.H + head) * ATT_SPLITS + sp;
+      for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(part + at * s.hd + 16 * j, acc[g * nv + j]);
+      ml[2 * at] = mg[g];
+      ml[2 * at + 1] = lg[g];
+    }
+  }
+  if (!several) return;
+  #pragma omp for schedule(static)
+  for (int64_t task = 0; task < s.T * s.H; ++task) {
+    const int64_t t = task / s.H, S = att_splits(s.ctx[t]);
+    if (S == 1) continue;
+    const float* m = ml + 2 * task * ATT_SPLITS;
+    float mx = m[0];
+    for (int64_t sp = 1; sp < S; ++sp) mx = std::max(mx, m[2 * sp]);
+    __m512 o[16];
+    for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_setzero_ps();
+    float l = 0.f;
+    for (int64_t sp = 0; sp < S; ++sp) {
+      const float w = std::exp(m[2 * sp] - mx);
+      l += w * m[2 * sp + 1];
+      const float* a = part + (task * ATT_SPLITS + sp) * s.hd;
+      for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(a + 16 * j), o[j]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / l);
+    float* dst = out + t * s.H * s.hd + (task % s.H) * s.hd;
+    for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(dst + 16 * j, _mm512_mul_ps(o[j], inv));
   }
 }
 #endif
@@ -235,6 +324,11 @@ torch::Tensor gguf_decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                 "gguf_decode: row ", t, " context or slot out of range");
   const int64_t Nqkv = lins[0].N, I = lins[2].N / 2;
   std::vector<float> qkv(T * Nqkv), att(T * heads * hd), gu(T * 2 * I);
+  std::vector<float> att_part(T * heads * ATT_SPLITS * hd), att_ml(T * heads * ATT_SPLITS * 2);
+  bool several = false;  // a row whose attention is split (then a merge pass runs)
+  for (int64_t t = 0; t < T; ++t) several = several || att_splits(s.ctx[t]) > 1;
+  const std::vector<int32_t> tasks = att_tasks(s);
+  TORCH_CHECK(heads / kv_heads <= 64, "gguf_decode: at most 64 query heads per KV head");
   auto out = torch::empty({T, D}, h.options());
   float* hp = h.data_ptr<float>();
   const float e = (float)eps;
@@ -249,7 +343,7 @@ torch::Tensor gguf_decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
       rms_rows(hp, norms[2 * l].data_ptr<float>(), T, D, e, xn.data());
       mm_rows<false>(xn.data(), T, lins[4 * l], qkv.data(), Nqkv);
       rope_store(qkv.data(), Nqkv, s, kc, vc);
-      attend_rows(qkv.data(), Nqkv, s, kc, vc, att.data());
+      attend_rows(qkv.data(), Nqkv, s, kc, vc, tasks, att_part.data(), att_ml.data(), several, att.data());
       mm_rows<true>(att.data(), T, lins[4 * l + 1], hp, D);
       rms_rows(hp, norms[2 * l + 1].data_ptr<float>(), T, D, e, xn.data());
       mm_rows<false>(xn.data(), T, lins[4 * l + 2], gu.data(), 2 * I);

@@ -69,6 +69,26 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_gguf, tmp_path, bias):
         torch.testing.assert_close(vf, vp, rtol=0, atol=1e-5 * vp.abs().max().item())
 
 
+def test_long_contexts_split_attention_and_still_equal_the_layer_by_layer_path(tiny_gguf, tmp_path):  # noqa: F811
+    """Rows of ~20, ~260 and ~400 positions in one step: attention per query head over the whole
+    context, and per KV head in two and three context splits (merged: the same softmax up to
+    rounding). RoPE has no table, so positions past the tiny model's 256 are fine here."""
+    path, _ = tiny_gguf
+    fused, plain, counter = _models(path, tmp_path)
+    runs = [PagedRunner(m, 3, block_size=16, num_blocks=96, max_blocks=30, seed=4) for m in (fused, plain)]
+    g = torch.Generator().manual_seed(5)
+    prompts = {s: torch.randint(0, 264, (n,), generator=g).tolist() for s, n in ((0, 20), (1, 255), (2, 390))}
+    for r in runs:
+        r.step(prompts)
+    toks = {0: 11, 1: 22, 2: 33}
+    for _ in range(4):
+        got, want = (r.step({s: [t] for s, t in toks.items()}) for r in runs)
+        for s in toks:
+            torch.testing.assert_close(got[s], want[s], rtol=0, atol=1e-5 * want[s].abs().max().item())
+        toks = {s: int(want[s][-1].argmax()) for s in toks}
+    assert counter.calls == 4
+
+
 def test_a_verified_draft_row_gets_the_bits_of_a_plain_decode(tiny_gguf, tmp_path):  # noqa: F811
     path, _ = tiny_gguf
     fused, _, counter = _models(path, tmp_path)
