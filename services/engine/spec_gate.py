@@ -28,11 +28,12 @@ machine (another process, a page fault) counts as at most twice a typical one.
   since it last ran reach its typical step (its window's median seconds) times (arms - 1) /
   share. The share is `plausible_share` (25%) while the arm might still be the better one (its
   R + z * SE, or 2R after a single step, reaches the running arm's R - z * SE) and
-  `explore_share` (5%) once it is clearly worse. The due arm measured longest ago runs: all exploring of clearly worse arms together
-  costs at most about 5% of the time, and an arm that may be better is learnt 5x as fast. A step-count schedule would not do: the
-  draft service's model drafter costs ~30 ms per drafted token on this CPU, one 7-draft step of
-  it lasts as long as ~30 plain gguf steps, and such a schedule would spend a third of the time
-  there. A change (another workload, a recovered draft service) is still noticed.
+  `explore_share` (5%) once it is clearly worse. The due arm measured longest ago runs: all
+  exploring of clearly worse arms together costs at most about 5% of the time, and an arm that
+  may be better is learnt 5x as fast. A step-count schedule would not do: the draft service's
+  model drafter costs ~30 ms per drafted token on this CPU, one 7-draft step of it lasts as long
+  as ~30 plain gguf steps, and such a schedule would spend a third of the time there. A change
+  (another workload, a recovered draft service) is still noticed.
 
 Plain Python, deterministic: the seconds are the recorded ones, no clock, no randomness.
 """
@@ -41,7 +42,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from kvmesh.services.engine.speculation import SpecMode
@@ -72,46 +73,40 @@ def default_arms(max_draft_tokens: int, short: int = 3) -> tuple[Arm, ...]:
     return (PLAIN, *(Arm(SpecMode.NGRAM, k) for k in lengths), Arm(SpecMode.ADAPTIVE, max_draft_tokens))
 
 
-@dataclass
 class _Samples:
-    steps: deque = field(default_factory=deque)  # (tokens, seconds) of the last `window` steps
-    last_step: int = -1                          # bucket step at which the arm last ran
-    last_seconds: float = 0.0                    # the bucket's measured seconds when it last ran
+    """An arm's last `window` steps and their statistics, computed once per recorded step (the
+    choice of every step reads them for every arm)."""
 
-    def capped(self) -> list[tuple[float, float]]:
-        cap = 2.0 * statistics.median(s for _, s in self.steps)
-        return [(t, min(s, cap)) for t, s in self.steps]
+    def __init__(self, window: int) -> None:
+        self.steps: deque = deque(maxlen=window)  # (tokens, seconds)
+        self.last_step = -1                       # bucket step at which the arm last ran
+        self.last_seconds = 0.0                   # the bucket's measured seconds when it last ran
+        self.typical = 0.0                        # median seconds of a step
+        self.rate = 0.0                           # tokens per second (0.0 before any step)
+        self.error = float("inf")                 # the rate's standard error (< 2 steps: inf)
 
-    def typical(self) -> float:
-        return statistics.median(s for _, s in self.steps) if self.steps else 0.0
-
-    def rate(self) -> float:
-        """Tokens per second over the window (0.0 before any step)."""
-        if not self.steps:
-            return 0.0
-        steps = self.capped()
-        seconds = sum(s for _, s in steps)
-        return sum(t for t, _ in steps) / seconds if seconds > 0 else 0.0
-
-    def error(self) -> float:
-        """The rate's standard error (ratio estimator); inf with fewer than 2 steps."""
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
         n = len(self.steps)
-        if n < 2:
-            return float("inf")
-        steps, r = self.capped(), self.rate()
-        mean_s = sum(s for _, s in steps) / n
-        var = sum((t - r * s) ** 2 for t, s in steps) / (n - 1)
-        return (var / n) ** 0.5 / mean_s if mean_s > 0 else float("inf")
+        self.typical = statistics.median(s for _, s in self.steps)
+        steps = [(t, min(s, 2.0 * self.typical)) for t, s in self.steps]
+        total = sum(s for _, s in steps)
+        self.rate = sum(t for t, _ in steps) / total if total > 0 else 0.0
+        if n < 2 or total <= 0:
+            self.error = float("inf")
+        else:  # the ratio estimator's standard error
+            var = sum((t - self.rate * s) ** 2 for t, s in steps) / (n - 1)
+            self.error = (var / n) ** 0.5 / (total / n)
 
     def lower(self, z: float) -> float:
-        return self.rate() - z * self.error()
+        return self.rate - z * self.error
 
     def upper(self, z: float) -> float:
         """rate + z * its standard error; twice the rate after a single step (an arm left at one
         warm-up step because it is expensive), inf before any."""
         if len(self.steps) == 1:
-            return 2.0 * self.rate()
-        return self.rate() + z * self.error()
+            return 2.0 * self.rate
+        return self.rate + z * self.error
 
 
 @dataclass
@@ -146,7 +141,7 @@ class SpecGate:
     def _bucket(self, batch: int) -> _Bucket:
         key = self.bucket(batch)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket({arm: _Samples() for arm in self.arms})
+            self._buckets[key] = _Bucket({arm: _Samples(self.window) for arm in self.arms})
         return self._buckets[key]
 
     def _best(self, b: _Bucket) -> Arm:
@@ -156,9 +151,9 @@ class SpecGate:
         """The arm ADAPTIVE requests follow in this step of `batch` running decodes."""
         b = self._bucket(batch)
         b.step += 1
-        quick = min((b.arms[a].typical() for a in self.arms if b.arms[a].steps), default=0.0)
+        quick = min((b.arms[a].typical for a in self.arms if b.arms[a].steps), default=0.0)
         warming = [a for a in self.arms if len(b.arms[a].steps) < self.min_steps
-                   and not (b.arms[a].steps and b.arms[a].typical() > 8 * quick)]
+                   and not (b.arms[a].steps and b.arms[a].typical > 8 * quick)]
         if warming:
             arm = min(warming, key=lambda a: len(b.arms[a].steps))
         else:
@@ -170,7 +165,7 @@ class SpecGate:
                 return (len(self.arms) - 1) / share
 
             due = [a for a in self.arms if a != arm
-                   and b.seconds - b.arms[a].last_seconds >= b.arms[a].typical() * spread(a)]
+                   and b.seconds - b.arms[a].last_seconds >= b.arms[a].typical * spread(a)]
             if due:
                 arm = min(due, key=lambda a: b.arms[a].last_step)
         b.arms[arm].last_step = b.step
@@ -188,11 +183,9 @@ class SpecGate:
         b.seconds += seconds
         samples = b.arms[arm]
         samples.last_seconds = b.seconds
-        samples.steps.append((tokens, seconds))
-        while len(samples.steps) > self.window:
-            samples.steps.popleft()
+        samples.add(tokens, seconds)
 
     def rates(self, batch: int) -> dict[Arm, float]:
         """Each arm's measured tokens per second in this batch size's bucket (0.0: not measured)."""
         b = self._buckets.get(self.bucket(batch))
-        return {arm: (b.arms[arm].rate() if b else 0.0) for arm in self.arms}
+        return {arm: (b.arms[arm].rate if b else 0.0) for arm in self.arms}

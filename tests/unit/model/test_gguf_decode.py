@@ -48,6 +48,16 @@ def _models(path, tmp_path, bias: bool = False):
     return fused, plain, counter
 
 
+def decode_alike(runs: list[PagedRunner], toks: dict[int, int], steps: int) -> None:
+    """`steps` greedy decode steps of the same sequences in the (fused, layer-by-layer) runners:
+    their logits equal up to rounding at every step."""
+    for _ in range(steps):
+        got, want = (r.step({s: [t] for s, t in toks.items()}) for r in runs)
+        for s in toks:
+            torch.testing.assert_close(got[s], want[s], rtol=0, atol=1e-5 * want[s].abs().max().item())
+        toks = {s: int(want[s][-1].argmax()) for s in toks}
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_decode_equals_the_layer_by_layer_path(tiny_gguf, tmp_path, bias):  # noqa: F811
     path, _ = tiny_gguf
@@ -57,12 +67,7 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_gguf, tmp_path, bias):
     for r in runs:
         r.step(prompts)  # prefill: not a decode step, the layer-by-layer path in both
     assert counter.calls == 0
-    toks = {0: 11, 1: 22, 2: 33}
-    for step in range(6):
-        got, want = (r.step({s: [t] for s, t in toks.items()}) for r in runs)
-        for s in toks:
-            torch.testing.assert_close(got[s], want[s], rtol=0, atol=1e-5 * want[s].abs().max().item())
-        toks = {s: int(want[s][-1].argmax()) for s in toks}
+    decode_alike(runs, {0: 11, 1: 22, 2: 33}, 6)
     assert counter.calls == 6
     for (kf, vf), (kp, vp) in zip(runs[0].kv, runs[1].kv):  # the same keys and values cached
         torch.testing.assert_close(kf, kp, rtol=0, atol=1e-5 * kp.abs().max().item())
@@ -80,12 +85,7 @@ def test_long_contexts_split_attention_and_still_equal_the_layer_by_layer_path(t
     prompts = {s: torch.randint(0, 264, (n,), generator=g).tolist() for s, n in ((0, 20), (1, 255), (2, 390))}
     for r in runs:
         r.step(prompts)
-    toks = {0: 11, 1: 22, 2: 33}
-    for _ in range(4):
-        got, want = (r.step({s: [t] for s, t in toks.items()}) for r in runs)
-        for s in toks:
-            torch.testing.assert_close(got[s], want[s], rtol=0, atol=1e-5 * want[s].abs().max().item())
-        toks = {s: int(want[s][-1].argmax()) for s in toks}
+    decode_alike(runs, {0: 11, 1: 22, 2: 33}, 4)
     assert counter.calls == 4
 
 
