@@ -327,10 +327,12 @@ def calibration_text() -> str:
     return "\n\n".join(docs)
 
 
-GGUF_ROWS = 16
-"""Rows at or below which GGUFLinear runs the block kernel rather than the tiled dequantize +
-dense matmul. All 120 decoder matmuls of SmolLM2-135M on this 2-core machine (one-off, 2 threads):
-kernel 18 / 39 / 88 ms at 8 / 16 / 32 rows, tiled 44 / 46 / 77 ms (fp32 weights: 49 / 60 / 91)."""
+GGUF_ROWS = 64
+"""Rows at or below which GGUFLinear runs the block kernels rather than the tiled dequantize +
+dense matmul (and a decode step runs fused, kvmesh.model.llama). All 120 decoder matmuls of
+SmolLM2-135M on this 2-core machine (one-off, 2 threads, ms): block kernels 16 / 27 / 48 / 87 at
+8 / 16 / 32 / 64 rows, tiled 36 / 35 / 55 / 93 (fp32 weights: 41 / 58 / 84 / 127); at 128 and
+512 rows the tiled path wins (169 / 664 against 185 / 746; fp32 weights 168 / 579)."""
 GGUF_TILE_FLOATS = 163840
 """fp32 weights the tiled path dequantizes at a time (640 KiB: stays in a core's L2)."""
 

@@ -58,16 +58,18 @@ def decode_alike(runs: list[PagedRunner], toks: dict[int, int], steps: int) -> N
         toks = {s: int(want[s][-1].argmax()) for s in toks}
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_decode_equals_the_layer_by_layer_path(tiny_gguf, tmp_path, bias):  # noqa: F811
+@pytest.mark.parametrize("bias, seqs", [(False, 3), (True, 3), (True, 7)])
+def test_fused_decode_equals_the_layer_by_layer_path(tiny_gguf, tmp_path, bias, seqs):  # noqa: F811
+    """3 rows: the matmuls' per-row passes; 7: their blocked path (weights decoded once a step)."""
     path, _ = tiny_gguf
     fused, plain, counter = _models(path, tmp_path, bias)
-    runs = [PagedRunner(m, 3, seed=1) for m in (fused, plain)]
+    runs = [PagedRunner(m, seqs, seed=1, num_blocks=32 * seqs) for m in (fused, plain)]
     prompts = {0: [3, 200, 17, 99, 5], 1: [64, 120, 1, 250, 8, 9, 10, 11, 12], 2: [7]}
+    prompts.update({s: [(31 * s + j) % 250 for j in range(s + 2)] for s in range(3, seqs)})
     for r in runs:
         r.step(prompts)  # prefill: not a decode step, the layer-by-layer path in both
     assert counter.calls == 0
-    decode_alike(runs, {0: 11, 1: 22, 2: 33}, 6)
+    decode_alike(runs, {s: 11 * (s + 1) for s in range(seqs)}, 6)
     assert counter.calls == 6
     for (kf, vf), (kp, vp) in zip(runs[0].kv, runs[1].kv):  # the same keys and values cached
         torch.testing.assert_close(kf, kp, rtol=0, atol=1e-5 * kp.abs().max().item())

@@ -96,7 +96,7 @@ def test_matmul_equals_the_dequantized_weights_up_to_rounding(qtype, n, k):
     blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 1)))
     w = ops.gguf_dequant(blocks, int(qtype), k).double()
     torch.manual_seed(2)
-    for m in (1, 2, 3, 5, 8, 19):  # decode rows, a decode with drafts, and more than 8
+    for m in (1, 2, 3, 5, 8, 19, 64):  # decode rows, a decode with drafts, batched decode steps
         x = torch.randn(m, k)
         got = ops.gguf_mm(x, [blocks], [int(qtype)])
         want = x.double() @ w.T
@@ -105,8 +105,10 @@ def test_matmul_equals_the_dequantized_weights_up_to_rounding(qtype, n, k):
         assert bool(((got.double() - want).abs() <= bound + 1e-30).all()), (qtype, m)
         tiled = ops.gguf_mm_tiled(x, [blocks], [int(qtype)], 4096)  # several tiles  # the prefill path: same sum, other order
         assert bool(((tiled.double() - want).abs() <= bound + 1e-30).all()), (qtype, m)
-        # each row of x gives the same bits alone or beside others
-        torch.testing.assert_close(ops.gguf_mm(x[-1:].contiguous(), [blocks], [int(qtype)]), got[-1:], rtol=0, atol=0)
+        # each row of x gives the same bits alone or beside others: past 4 rows the weights are
+        # decoded once into a buffer and met by 4 x 5 blocks of rows, in the same summation order
+        alone = torch.cat([ops.gguf_mm(x[i:i + 1].contiguous(), [blocks], [int(qtype)]) for i in range(m)])
+        assert torch.equal(alone, got), (qtype, m)
 
 
 @needs_kernels
@@ -116,10 +118,13 @@ def test_parts_of_different_types_are_one_matmul():
     parts = [(T.Q4_K, w1), (T.Q6_K, w2), (T.Q8_0, w3)]
     blocks = [torch.from_numpy(blocks_of(t, w)) for t, w in parts]
     types = [int(t) for t, _ in parts]
-    x = torch.randn(3, 512)
-    got = ops.gguf_mm(x, blocks, types)
-    want = torch.cat([ops.gguf_mm(x, [b], [t]) for b, t in zip(blocks, types)], dim=1)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for m in (3, 13):  # per-row passes, and decoded tiles that span parts of two types
+        x = torch.randn(m, 512)
+        got = ops.gguf_mm(x, blocks, types)
+        want = torch.cat([ops.gguf_mm(x, [b], [t]) for b, t in zip(blocks, types)], dim=1)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        alone = torch.cat([ops.gguf_mm(x[i:i + 1].contiguous(), blocks, types) for i in range(m)])
+        assert torch.equal(alone, got)
     torch.testing.assert_close(ops.gguf_mm_tiled(x, blocks, types, 8192), want, rtol=1e-5, atol=1e-5)
     f32 = torch.randn(5, 512)  # F32 rows (the plain path) next to quantized ones
     got = ops.gguf_mm(x, [blocks[0], f32.view(torch.uint8)], [int(T.Q4_K), int(T.F32)])
