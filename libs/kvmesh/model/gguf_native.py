@@ -592,20 +592,20 @@ torch::Tensor gguf_mm_tiled(torch::Tensor x, std::vector<torch::Tensor> parts, s
   for (size_t i = 0; i < parts.size(); ++i) { check_part(parts[i], types[i], K); N += parts[i].size(0); }
   const int64_t tile = std::max<int64_t>(16, (tile_floats / K) / 16 * 16);
   auto buf = torch::empty({tile, K}, x.options());
-  auto yt = torch::empty({N, M}, x.options());  // y transposed: each tile's output rows are contiguous
-  const auto xt = x.t();
+  auto y = torch::empty({M, N}, x.options());
   int64_t off = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const int64_t Ni = parts[i].size(0);
     for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
       const int64_t nt = std::min(tile, Ni - n0);
       dequant_rows(parts[i].data_ptr<uint8_t>(), parts[i].size(1), types[i], K, n0, nt, buf.data_ptr<float>());
-      auto out = yt.narrow(0, off + n0, nt);
-      at::mm_out(out, buf.narrow(0, 0, nt), xt);
+      // the tile's columns of y in place (a strided output BLAS writes directly): no transpose after
+      auto out = y.narrow(1, off + n0, nt);
+      at::mm_out(out, x, buf.narrow(0, 0, nt).t());
     }
     off += Ni;
   }
-  return yt.t().contiguous();
+  return y;
 }
 
 """
