@@ -111,6 +111,27 @@ def test_a_verified_draft_row_gets_the_bits_of_a_plain_decode(tiny_gguf, tmp_pat
         assert torch.equal(k_one[slot], k_ver[slot])
 
 
+def test_a_sequence_decodes_to_the_same_bits_alone_or_in_a_batch(tiny_gguf, tmp_path):  # noqa: F811
+    """Decode steps of 9 sequences together (the matmuls' blocked path) and of each alone (the
+    per-row path) give every sequence the same logits and KV, bit for bit."""
+    path, _ = tiny_gguf
+    fused, _, counter = _models(path, tmp_path)
+    n = 9
+    batch, alone = (PagedRunner(fused, n, seed=4, num_blocks=32 * n) for _ in range(2))
+    prompts = {s: [(17 * s + 3 * j) % 250 for j in range(3 + s % 4)] for s in range(n)}
+    batch.step(prompts)
+    alone.step(prompts)  # the same prefill in both (one step of every prompt)
+    toks = {s: 5 + s for s in range(n)}
+    for _ in range(4):
+        together = batch.step({s: [t] for s, t in toks.items()})
+        for s, t in toks.items():
+            assert torch.equal(alone.step({s: [t]})[s], together[s]), s
+        toks = {s: int(together[s][-1].argmax()) for s in toks}
+    assert counter.calls == 4 * (n + 1)
+    for (kb, vb), (ka, va) in zip(batch.kv, alone.kv):
+        assert torch.equal(kb, ka) and torch.equal(vb, va)
+
+
 def test_models_it_does_not_fit_take_the_layer_by_layer_path(tiny_gguf, tmp_path):  # noqa: F811
     path, _ = tiny_gguf
     assert GGUFDecode.of(load_model(str(path), cache_dir=tmp_path, progress=False).model) is None  # fp32
