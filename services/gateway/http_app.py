@@ -33,6 +33,7 @@ from kvmesh.services.gateway.openai_schema import (
     parse_body,
     validation_error,
 )
+from kvmesh.services.gateway.openapi import openapi_document
 from kvmesh.services.gateway.service import Gateway, Generation
 from kvmesh.services.gateway.sse import CLIENT_CLOSED, ClientGone, EventStream, race_disconnect
 from kvmesh.telemetry import Telemetry, extract_context
@@ -86,9 +87,11 @@ def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = 
     # FastAPI's own OpenTelemetry (newer releases) is off: TraceMiddleware opens the one SERVER
     # span per request, on any FastAPI version, and leaves probes untraced.
     app = FastAPI(title="kvmesh gateway", summary="OpenAI-compatible API of kvmesh",
-                  docs_url=None, redoc_url=None, openapi_url=None,
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   telemetry={"tracing": False, "metrics": False, "logs": False,
                              "operation_spans": False})
+    document = openapi_document()
+    app.openapi = lambda: document  # built from the body models (see openapi.py), not inferred
     app.add_middleware(TraceMiddleware, telemetry=telemetry)
     retry_after = gateway.options.retry_after_s
 

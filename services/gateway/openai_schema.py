@@ -125,11 +125,40 @@ def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
                       None, "invalid_json") from e
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_json")
+    bad = lone_surrogate(data)
+    if bad is not None:
+        param, index = bad
+        raise invalid(f"invalid value for '{param}': a lone UTF-16 surrogate at character {index}; "
+                      "strings must be valid Unicode (send a surrogate only as half of a pair)",
+                      param, "invalid_string")
     schema = ChatCompletionBody if kind == "chat" else CompletionBody
     try:
         return schema.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from e
+
+
+def lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
+    """(parameter path, character index) of the first string (or object key) in a decoded JSON
+    value holding a lone UTF-16 surrogate, or None. JSON's \\ud800 escapes decode to such strings,
+    which no UTF-8 encoder (protobuf's, the tokenizer's) accepts."""
+    if isinstance(value, str):
+        for i, ch in enumerate(value):
+            if "\ud800" <= ch <= "\udfff":
+                return path or "body", i
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            found = lone_surrogate(key, where) or lone_surrogate(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def validation_error(errors: list[Any]) -> ApiError:

@@ -91,6 +91,33 @@ async def test_errors_are_status_codes(stub, request_, code, words):
     assert e.value.code() == code and words in e.value.details()
 
 
+async def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_it(gateway):
+    """Bytes protobuf cannot parse (a lone surrogate encoded as UTF-8 in messages[1].content) get
+    INVALID_ARGUMENT with the field's path, not grpc's INTERNAL; the server goes on serving."""
+    req = pb.ChatCompleteRequest(model=MODEL, messages=[HI[0], pb.ChatMessage(role=pb.ROLE_USER, content="XYZ")])
+    raw = req.SerializeToString()
+    assert raw.count(b"XYZ") == 1
+    raw = raw.replace(b"XYZ", "\ud800".encode("utf-8", "surrogatepass"))  # 3 bytes for 3: lengths hold
+    async with grpc.aio.insecure_channel(gateway.grpc_address) as channel:
+        call = channel.unary_stream("/kvmesh.gateway.v1.GatewayService/ChatComplete",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=pb.CompletionChunk.FromString)(raw)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await _collect(call)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'messages[1].content'" in e.value.details() and "UTF-8" in e.value.details()
+        garbage = channel.unary_unary("/kvmesh.gateway.v1.GatewayService/ListModels",
+                                      request_serializer=lambda b: b,
+                                      response_deserializer=pb.ListModelsResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await garbage(b"\x0a\xff")  # a length past the end: not protobuf at all
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid kvmesh.gateway.v1.ListModelsRequest" in e.value.details()
+        ok = await gateway_pb2_grpc.GatewayServiceStub(channel).ListModels(pb.ListModelsRequest())
+        assert ok.models
+    assert gateway.state.calls == []
+
+
 async def test_upstream_overload_is_resource_exhausted_with_retry_after(stub, gateway):
     gateway.state.fail = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 0)
     with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -172,3 +172,41 @@ def test_health_and_metrics(gateway, client):
     for name in ("kvmesh_gateway_ttft_seconds_bucket", "kvmesh_gateway_inflight_requests",
                  "kvmesh_gateway_inflight_prompt_tokens"):
         assert name in text
+
+
+def test_openapi_document_describes_the_api(gateway):
+    """GET /openapi.json: OpenAPI 3.1 with the served paths, every $ref resolvable, and the request
+    bodies as the gateway parses them (the kvmesh extensions included), for schema-driven tools."""
+    from kvmesh.kv.quality import LOSSY_KV_CODECS
+
+    r = httpx.get(gateway.base_url.removesuffix("/v1") + "/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["openapi"] == "3.1.0"
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                 "/v1/models/{model_id}", "/health"}
+    schemas = doc["components"]["schemas"]
+
+    def refs(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref":
+                    yield value
+                else:
+                    yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    found = set(refs(doc))
+    assert "#/components/schemas/ChatCompletionBody" in found and "#/components/schemas/Error" in found
+    for ref in found:
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+    chat, completion = schemas["ChatCompletionBody"], schemas["CompletionBody"]
+    assert {"model", "messages"} <= set(chat["required"]) and {"model", "prompt"} <= set(completion["required"])
+    assert "documents" in chat["properties"] and "documents" not in completion["properties"]
+    lossy = chat["properties"]["kvmesh"]["properties"]["lossy"]["properties"]
+    assert lossy["kv_codec"]["enum"] == list(LOSSY_KV_CODECS)
+    body = doc["paths"]["/v1/chat/completions"]["post"]
+    assert body["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionBody")
+    assert {"200", "400", "401", "429", "503"} <= set(body["responses"])

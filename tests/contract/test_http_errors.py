@@ -74,6 +74,29 @@ def test_missing_model_and_malformed_json_are_400_not_422(gateway):
     assert r.status_code == 400
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', "stop"),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a \\udfff b"}]}',
+     "messages[0].content"),
+    ("completions", '{"model": "%s", "prompt": ["ok", "x\\ud83d"]}', "prompt[1]"),
+    ("completions", '{"model": "%s", "prompt": "x", "user": "\\ude00"}', "user"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field(gateway, path, body, param):
+    """JSON allows \\ud800 escapes that decode to no Unicode character; such a string is refused
+    (never a 500 from an encoder further in), while a surrogate pair is an ordinary character."""
+    url = f"{gateway.base_url}/{path}"
+    r = httpx.post(url, content=(body % MODEL).encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, "invalid_string", "invalid_request_error")
+    assert "surrogate" in err["message"]
+    assert gateway.state.calls == []
+    pair = '{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2}'
+    r = httpx.post(f"{gateway.base_url}/chat/completions", content=(pair % MODEL).encode(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 def test_context_length_exceeded_says_the_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="abc", max_tokens=MAX_MODEL_LEN)

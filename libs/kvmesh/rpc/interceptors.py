@@ -9,6 +9,8 @@ Every kvmesh servicer method runs inside `ServerInterceptor`, which
   call's metadata, current while the method's code runs (so its outgoing calls join the trace);
 - records `kvmesh_rpc_server_handled_total` and `kvmesh_rpc_server_handling_seconds` in the
   server's registry;
+- answers a request protobuf cannot parse (a string field that is not UTF-8, say) with
+  INVALID_ARGUMENT naming the field (kvmesh.rpc.wire) rather than grpc's INTERNAL;
 - exposes the call's deadline to outgoing calls (`inbound_deadline`), counts calls in flight
   so a draining server knows when they are done, and, once told the server is draining,
   refuses new calls with UNAVAILABLE (a clear "retry elsewhere" for routers).
@@ -34,8 +36,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.metrics import metric_name
+from kvmesh.rpc.wire import describe_invalid
 from kvmesh.telemetry import Telemetry, extract_context
 
 log = logging.getLogger(__name__)
@@ -131,6 +134,33 @@ class _Call:
         self.owner._leave()
 
 
+class _Unparsable:
+    """What a lenient deserializer returns for bytes protobuf refused: the call then fails with
+    INVALID_ARGUMENT and this message (a deserializer that raises gets INTERNAL from grpc)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    cls = getattr(deserializer, "__self__", None)  # generated code passes Message.FromString
+    descriptor = getattr(cls, "DESCRIPTOR", None)
+    if descriptor is None:
+        return deserializer
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception:  # protobuf's DecodeError (the C and Python backends raise alike)
+            return _Unparsable(describe_invalid(descriptor, raw))
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, _Unparsable):
+        raise InvalidArgument(request.message)
+
+
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every async servicer method of one server (see the module docstring); spans go to
     `telemetry`'s provider, metrics to its registry."""
@@ -179,7 +209,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 continue
             if self._refusal is not None:
                 return handler._replace(**{kind: self._refuse(method, self._refusal)})
-            return handler._replace(**{kind: self._wrap(method, behavior)})
+            wrapped = {kind: self._wrap(method, behavior)}
+            if not handler.request_streaming and handler.request_deserializer is not None:
+                wrapped["request_deserializer"] = _lenient(handler.request_deserializer)
+            return handler._replace(**wrapped)
         return handler
 
     def _refuse(self, method: str, message: str):
@@ -202,6 +235,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             call = _Call(self, method, context)
             try:
                 with call.active():
+                    _check_parsed(request)
                     return await behavior(request, context)
             except BaseException as exc:
                 await call.fail(exc, context)
@@ -216,6 +250,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = _Call(self, method, context)
             try:
+                _check_parsed(request)
                 async with contextlib.aclosing(behavior(request, context)) as responses:
                     while True:
                         with call.active():
