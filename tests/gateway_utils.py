@@ -80,6 +80,8 @@ class FakeRouterState:
     """Answer ListModels with this code (e.g. UNAVAILABLE: the router looks down)."""
     fail: tuple[grpc.StatusCode, str, int] | None = None
     """(code, message, after how many tokens) to abort every Generate with."""
+    fail_times: int | None = None
+    """How many Generate calls `fail` aborts (then it is spent); None = every one."""
     hang: bool = False
     gate: asyncio.Event | None = None
     calls: list[Recorded] = field(default_factory=list)
@@ -125,8 +127,12 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         sp = g.sampling
         if s.gate is not None:
             await s.gate.wait()
-        if s.fail is not None and s.fail[2] == 0:
-            await context.abort(s.fail[0], s.fail[1])
+        fail = s.fail
+        if fail is not None and s.fail_times is not None:
+            fail = fail if s.fail_times > 0 else None
+            s.fail_times -= 1 if fail is not None else 0
+        if fail is not None and fail[2] == 0:
+            await context.abort(fail[0], fail[1])
         words = list(WORDS)
         if sp.HasField("seed"):
             words[0] = f" Seed{sp.seed}"
@@ -146,8 +152,8 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             if generated == max_tokens:
                 finish = common_pb2.FINISH_REASON_LENGTH
                 break
-            if s.fail is not None and generated == s.fail[2]:
-                await context.abort(s.fail[0], s.fail[1])
+            if fail is not None and generated == fail[2]:
+                await context.abort(fail[0], fail[1])
             generated += 1
             cut = min((x for x in ((text + word).find(stop) for stop in sp.stop) if x >= 0),
                       default=-1)

@@ -58,10 +58,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("the local stack is not running ('kvmesh up' starts it)")
         return 3
     worst = 0
+    sup = launcher.supervisor_pid()
+    print(f"{'supervisor':12s} pid {sup:<7d} restarts a service that exits" if sup else
+          f"{'supervisor':12s} NOT RUNNING: nothing restarts a service that exits ('kvmesh down; kvmesh up')")
     for p in procs:
         state = launcher.health(p.address) if launcher.alive(p.pid) else "EXITED"
         worst = worst or (state != "SERVING")
-        print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}")
+        restarts = f"  restarts {p.restarts} (last: {p.last_exit})" if p.restarts or p.last_exit else ""
+        print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}{restarts}")
         if p.name.startswith("engine") and state == "SERVING":
             for line in _guardrail_lines(p.address):
                 print(line)

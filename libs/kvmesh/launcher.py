@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -34,6 +35,10 @@ class ServiceProc:
     address: str
     log: str
     url: str = ""
+    restarts: int = 0
+    """Times the supervisor started it again after it exited (kvmesh.supervisor)."""
+    last_exit: str = ""
+    """How it last exited while the stack was up ('killed by SIGKILL after 12s'), or ''."""
 
 
 class LaunchError(RuntimeError):
@@ -51,12 +56,24 @@ def load_state() -> list[ServiceProc]:
         return []
 
 
-def _save_state(procs: list[ServiceProc]) -> None:
-    path = _state_path()
+def write_json_atomic(path: Path, value) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([asdict(p) for p in procs], indent=2))
+    tmp.write_text(json.dumps(value, indent=2))
     tmp.replace(path)
+
+
+def _supervisor_path() -> Path:
+    return data_dir() / "supervisor.json"
+
+
+def supervisor_pid() -> int | None:
+    """The running stack's supervisor process, or None."""
+    try:
+        pid = int(json.loads(_supervisor_path().read_text())["pid"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+    return pid if alive(pid) else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -292,27 +309,41 @@ def check_model(plan: StackPlan) -> None:
         raise LaunchError(f"--model {plan.model}: {e}") from None
 
 
-def up(plan: StackPlan = StackPlan()) -> list[ServiceProc]:
+def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0) -> list[ServiceProc]:
     """Starts the local stack unless it is already running — the KV-cache service (LMDB under the
     data directory), the draft service, the engines linked to both, the router over them and the gateway (OpenAI HTTP
-    on 127.0.0.1:`ports.http`) — each waited on until healthy. Returns them in start order."""
+    on 127.0.0.1:`ports.http`) — under a supervisor (kvmesh.supervisor) that waits for each to be
+    healthy and from then on restarts any that exits. Returns them in start order."""
     running = [p for p in load_state() if alive(p.pid)]
-    if running:
+    if running and supervisor_pid() is not None:
         return running
+    for p in reversed(running):  # services left without their supervisor: start clean
+        stop_service(p)
     check_model(plan)
-    procs: list[ServiceProc] = []
-    try:
-        for spec in stack_services(plan, data_dir()):
-            svc = start_service(spec.name, spec.module, list(spec.args), spec.port, env=dict(spec.env))
-            if spec.http_port is not None:
-                svc = ServiceProc(svc.name, svc.pid, svc.address, svc.log, url=f"http://127.0.0.1:{spec.http_port}/v1")
-            procs.append(svc)
-    except LaunchError:
-        for p in reversed(procs):
-            stop_service(p)
-        raise
-    _save_state(procs)
-    return procs
+    data = data_dir()
+    plan_path = data / "stack-plan.json"
+    write_json_atomic(plan_path, [asdict(s) for s in stack_services(plan, data)])
+    _state_path().unlink(missing_ok=True)
+    logs = data / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / "supervisor.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "kvmesh.supervisor", str(plan_path)],
+                                stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    write_json_atomic(_supervisor_path(), {"pid": proc.pid, "log": str(log_path)})
+    assert proc.stdout is not None
+    # One line when every service is healthy or one failed to start (each start is bounded by the
+    # supervisor's own timeout); EOF if the supervisor itself died.
+    ready = select.select([proc.stdout], [], [], ready_timeout_s)[0]
+    line = proc.stdout.readline().decode("utf-8", "replace").strip() if ready else ""
+    proc.stdout.close()
+    if line != "ready":
+        if proc.poll() is None:
+            proc.terminate()
+        why = line.removeprefix("failed: ") if line else f"the supervisor gave no answer; see {log_path}"
+        raise LaunchError(why)
+    return load_state()
 
 
 def openai_base_url() -> str | None:
@@ -323,8 +354,16 @@ def openai_base_url() -> str | None:
     return None
 
 
-def down() -> list[str]:
-    """Stops every service of the local stack; returns the names that were running."""
-    stopped = [p.name for p in reversed(load_state()) if stop_service(p)]
+def down(timeout_s: float = 120.0) -> list[str]:
+    """Stops the local stack: the supervisor (which stops its services, each drained, in reverse
+    start order), then any service still running without it. Returns the names that were running."""
+    procs = load_state()
+    was = [p.name for p in procs if alive(p.pid)]
+    sup = supervisor_pid()
+    if sup is not None:
+        stop_service(ServiceProc("supervisor", sup, "", ""), timeout_s=timeout_s)
+    for p in reversed(procs):
+        stop_service(p)
     _state_path().unlink(missing_ok=True)
-    return stopped
+    _supervisor_path().unlink(missing_ok=True)
+    return list(reversed(was))

@@ -30,7 +30,11 @@ async def build(cfg: GatewayConfig, telemetry: Telemetry) -> Service:
         except ValueError as e:
             raise SystemExit(f"kvmesh-gateway: {e} (KVMESH_GATEWAY_CHAT_TEMPLATE)") from None
         log.info("chat template: from --chat-template")
-    channel = make_channel(cfg.router_address)
+    # A restarted router (the supervisor restarts it in ~1 s) is reconnected within a second: calls
+    # wait for it (wait_for_ready, services/gateway/upstream.py) instead of failing.
+    channel = make_channel(cfg.router_address, options=[("grpc.initial_reconnect_backoff_ms", 200),
+                                                        ("grpc.min_reconnect_backoff_ms", 200),
+                                                        ("grpc.max_reconnect_backoff_ms", 1000)])
     try:  # refuse to serve prompts tokenized for another model than the engines'
         await check_upstream_tokenizer(channel, tokenizer, cfg.model, cfg.model_check_timeout_s)
     except ConfigError as e:

@@ -60,12 +60,17 @@ class RouterClient:
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
 
+    # Calls wait for the router (wait_for_ready) rather than failing at once while it is
+    # unreachable -- restarting, say -- within their deadline.
+
     async def list_models(self, timeout_s: float = 5.0) -> list[router_pb2.ModelCard]:
-        response = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout_s)
+        response = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout_s,
+                                               wait_for_ready=True)
         return list(response.models)
 
-    def generate(self, request: router_pb2.RouteRequest) -> grpc.aio.UnaryStreamCall:
-        return self.stub.Generate(request, timeout=self.timeout_s)
+    def generate(self, request: router_pb2.RouteRequest, timeout_s: float | None = None) -> grpc.aio.UnaryStreamCall:
+        return self.stub.Generate(request, timeout=self.timeout_s if timeout_s is None else timeout_s,
+                                  wait_for_ready=True)
 
 
 class ModelCatalog:
@@ -151,11 +156,23 @@ async def run_choice(router: RouterClient, job: ChoiceJob
     The stream is read to its end (the router closes it right after the final message), so a
     finished call ends OK on both sides rather than being cancelled.
     """
+    started = time.monotonic()
     call = router.generate(job.request)
     first = True
     final: ChoiceFinal | None = None
     try:
-        async for msg in call:
+        try:
+            head = await call.read()
+        except grpc.aio.AioRpcError as err:
+            # Nothing reached the client yet, so the request can start again: once, waiting for the
+            # router (a router that died under the call comes back under its supervisor).
+            left = router.timeout_s - (time.monotonic() - started)
+            if err.code() is not grpc.StatusCode.UNAVAILABLE or left <= 0:
+                raise
+            call = router.generate(job.request, timeout_s=left)
+            head = await call.read()
+        messages = _stream(head, call)
+        async for msg in messages:
             out: engine_pb2.GenerateResponse = msg.response
             if final is not None:
                 continue  # nothing may follow the final message; ignore it if it does
@@ -195,6 +212,14 @@ async def run_choice(router: RouterClient, job: ChoiceJob
     finally:
         if not call.done():
             call.cancel()
+
+
+async def _stream(head, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[router_pb2.RouteResponse]:
+    """The call's messages, `head` (its first read) first."""
+    msg = head
+    while msg is not grpc.aio.EOF:
+        yield msg
+        msg = await call.read()
 
 
 _DONE = object()

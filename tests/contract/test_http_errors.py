@@ -136,6 +136,25 @@ def test_upstream_status_codes_map_to_http(client, gateway, code, status, exc, r
     assert _inflight(gateway) == (0, 0)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_router_unavailable_before_the_first_message_is_retried(client, gateway, stream):
+    """The router's call fails UNAVAILABLE before anything reached the client (a router that
+    died under it and is coming back): the gateway starts the request once more, and the client
+    gets the whole answer, once."""
+    gateway.state.fail, gateway.state.fail_times = (grpc.StatusCode.UNAVAILABLE, "router restarting", 0), 1
+    if stream:
+        chunks = client.chat.completions.create(model=MODEL, messages=USER, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
+    assert text == "".join(WORDS)
+    assert len(gateway.state.calls) == 2 and gateway.state.fail_times == 0
+    gateway.state.fail, gateway.state.fail_times = (grpc.StatusCode.UNAVAILABLE, "router down", 0), 2
+    with pytest.raises(openai.APIStatusError) as e:  # twice in a row: the client is told to retry
+        client.chat.completions.create(model=MODEL, messages=USER)
+    assert e.value.status_code == 503 and len(gateway.state.calls) == 4
+
+
 def test_error_after_streaming_began_is_an_sse_error_event(gateway, client):
     gateway.state.fail = (grpc.StatusCode.UNAVAILABLE, "replica died", 2)
     r = httpx.post(f"{gateway.base_url}/chat/completions",

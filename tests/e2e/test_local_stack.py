@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -24,6 +26,28 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def _state(env: dict, name: str) -> dict:
+    import json
+
+    state = json.loads((Path(env["KVMESH_DATA_DIR"]) / "stack.json").read_text())
+    return next(p for p in state if p["name"] == name)
+
+
+def _wait_state(env: dict, name: str, done, timeout_s: float = 180.0) -> dict:
+    """Polls the supervisor's state file (another process writes it; there is nothing to wait
+    on) until `done` holds for service `name`, then waits for that service's health."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            entry = _state(env, name)
+            if done(entry) and launcher.health(entry["address"]) == "SERVING":
+                return entry
+        except (FileNotFoundError, ValueError, StopIteration):
+            pass
+        assert time.monotonic() < deadline, f"{name} not restarted within {timeout_s:.0f}s"
+        time.sleep(0.2)
+
+
 def test_up_status_chat_down(tmp_path):
     env = {**os.environ, "KVMESH_DATA_DIR": str(tmp_path)}
     ports = [f"--{svc}-port={launcher.free_port()}" for svc in ("http", "gateway", "router", "engine", "kvcache", "draft")]
@@ -33,6 +57,16 @@ def test_up_status_chat_down(tmp_path):
         status = _kvmesh("status", env=env)
         assert status.returncode == 0, status.stdout
         assert status.stdout.count("SERVING") == 5, status.stdout   # kvcache, draft, engine, router, gateway
+        assert "restarts a service that exits" in status.stdout  # the supervisor's line
+        # The router dies: the supervisor starts it again on its port, and the gateway's calls
+        # wait for it. The chat below goes through the restarted router.
+        router = _state(env, "router")
+        os.kill(router["pid"], signal.SIGKILL)
+        restarted = _wait_state(env, "router", lambda r: r["restarts"] == 1 and r["pid"] != router["pid"])
+        assert restarted["last_exit"].startswith("killed by SIGKILL after"), restarted
+        status = _kvmesh("status", env=env)
+        assert "restarts 1 (last: killed by SIGKILL" in status.stdout, status.stdout
+        assert "killed by SIGKILL" in (tmp_path / "logs" / "supervisor.log").read_text()
         # through the gateway's OpenAI API, found from the stack's state
         chat = _kvmesh("chat", "What is the capital of France?", "--max-tokens", "12", env=env)
         assert chat.returncode == 0, chat.stderr
