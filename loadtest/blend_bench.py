@@ -275,7 +275,7 @@ async def _search(kv_address: str, namespace, query: str, k: int) -> list[str]:
 
 def _quality_rows(loaded, prompts, ids, sep, select_layers: int) -> list[dict]:
     """`select_layers`: the engine's default fitted to the model (BenchModel.select_layers)."""
-    from kvmesh.kv.blend import SELECTIONS, Segment, blend_prefill, continuation_logprobs, segment_kv
+    from kvmesh.kv.blend import DEFAULT_SELECTION, SELECTIONS, Segment, blend_prefill, continuation_logprobs, segment_kv
 
     model = loaded.model
     doc_kv = {name: segment_kv(model, ids[name]) for name in QUESTIONS}
@@ -297,10 +297,9 @@ def _quality_rows(loaded, prompts, ids, sep, select_layers: int) -> list[dict]:
                 ppl.setdefault((ratio, selection), []).append(100.0 * (val / base - 1.0))
     rows = [row("ppl_delta_pct", 0.0, "%", mode="full", recompute_ratio=1.0),
             row("ppl_delta_pct", 0.0, "%", mode="prefix")]
-    # The engine's default selection (deviation+attention) as the plain blend rows, CacheBlend's
-    # deviation-only selection beside it.
+    # The engine's default selection as the plain blend rows, the others beside it.
     rows += [row("ppl_delta_pct", statistics.fmean(v), "%", mode="blend", recompute_ratio=r,
-                 **({} if sel == "deviation+attention" else {"selection": sel})) for (r, sel), v in ppl.items()]
+                 **({} if sel == DEFAULT_SELECTION else {"selection": sel})) for (r, sel), v in ppl.items()]
     return rows
 
 

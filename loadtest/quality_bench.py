@@ -5,7 +5,8 @@ Prompts: ``kvmesh.loadtest.quality_workloads`` (RAG over shuffled passages, mult
 long-document QA with generated questions; 156 prompts, dev and test split by source). The
 test split is measured unless ``KVMESH_BENCH_SPLIT`` says ``dev`` or ``both`` (the dev split is
 for tuning; what is reported is the test split); ``KVMESH_BENCH_PATHS`` (e.g. ``codec``) measures
-only some kinds of path (codec, blend, weights; the TTFT section comes with blend). Full: every prompt of the split, exact answers
+only some kinds of path (codec, blend, weights; the TTFT section comes with blend), and
+``KVMESH_BENCH_RATIOS`` (e.g. ``0.15,0.25``) only some blend ratios. Full: every prompt of the split, exact answers
 of up to 64 tokens, blend ratios 0, 0.1, 0.15, 0.25, 0.3, 0.4, 0.5; quick: 4 prompts per workload
 (spread evenly over the split), 32 tokens, ratios 0, 0.15, 0.25. With a JSON path, the
 per-prompt scores are written beside it (``<name>.prompts.json``).
@@ -86,6 +87,7 @@ CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 WEIGHTS = ("gguf", "int8", "int4", "int4-w8a8")  # gguf: GGUF sources only (the file's own blocks)
 SPLIT_ENV = "KVMESH_BENCH_SPLIT"
 PATHS_ENV = "KVMESH_BENCH_PATHS"
+RATIOS_ENV = "KVMESH_BENCH_RATIOS"
 PATH_KINDS = ("codec", "blend", "weights")
 TTFT_TOKENS = 2500
 DOC_KV_BYTES = 2 << 30
@@ -247,6 +249,19 @@ def paths_from_env() -> tuple[str, ...]:
     if not kinds or any(k not in PATH_KINDS for k in kinds):
         raise SystemExit(f"{PATHS_ENV}={value!r}: a comma-separated list of {', '.join(PATH_KINDS)} (default: all)")
     return tuple(k for k in PATH_KINDS if k in kinds)
+
+
+def ratios_from_env(default: tuple[float, ...]) -> tuple[float, ...]:
+    value = os.environ.get(RATIOS_ENV)
+    if value is None:
+        return default
+    try:
+        ratios = tuple(float(r) for r in value.split(",") if r.strip())
+    except ValueError:
+        ratios = ()
+    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
+        raise SystemExit(f"{RATIOS_ENV}={value!r}: a comma-separated list of recompute ratios in [0, 1]")
+    return ratios
 
 
 def splits_from_env() -> tuple[str, ...]:
@@ -484,7 +499,8 @@ def run(quick: bool = False, json_path: Optional[str] = None, model: str = "bund
     from kvmesh.loadtest.models import bench_model
     from kvmesh.model.loader import load_model
 
-    plan = dataclasses.replace(QUICK if quick else FULL, paths=paths_from_env())
+    base = QUICK if quick else FULL
+    plan = dataclasses.replace(base, paths=paths_from_env(), ratios=ratios_from_env(base.ratios))
     splits = splits_from_env()
     print(f"kvmesh bench quality ({'quick' if quick else 'full'}, split {'+'.join(splits)}, model {model}): {plan}",
           file=sys.stderr)

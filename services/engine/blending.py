@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from kvmesh.kv.blend import BlendPrefill, blend_prefill
+from kvmesh.kv.blend import DEFAULT_SELECTION, BlendPrefill, blend_prefill
 from kvmesh.kv.namespace import KvNamespace
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.llama import LlamaForCausalLM
@@ -37,7 +37,7 @@ class BlendConfig:
     with documents into blending (lossy)."""
     select_layers: int = 2
     """Leading layers run over every token to choose which to recompute."""
-    selection: str = "deviation+attention"
+    selection: str = DEFAULT_SELECTION
     """kvmesh.kv.blend.SELECTIONS: how the recomputed tokens are chosen."""
 
     def namespace(self, base: KvNamespace, recompute_ratio: float) -> KvNamespace:

@@ -3,7 +3,7 @@ of cached documents) are served now, and the sampled shadow checks that decide i
 
 NOTE (how it works).
   * Paths. A path is one lossy namespace: its KvNamespace digest names the model, the tenant
-    salt and the storage (e.g. "int8c-g16-r0-h1-o0" or "blend:exact:0.1500:2:deviation+attention"),
+    salt and the storage (e.g. "int8c-g16-r0-h1-o0" or "blend:exact:0.1500:2:deviation+deep-attention"),
     so each tenant's use of each lossy format is judged on its own. A path is disabled against
     the loosest QualityBudget any request of it declared (GuardedPath.budget): a request with a
     tighter one falls back on its own (see Decision), without turning the path off for others.

@@ -229,11 +229,12 @@ def _deviation(k: torch.Tensor, v: torch.Tensor, k_old: torch.Tensor, v_old: tor
     return total
 
 
-SELECTIONS = ("deviation", "deviation+attention", "sinks+deviation+attention")
-"""How the recomputed tokens are chosen: by KV deviation alone (CacheBlend's criterion), or by
-deviation plus how much the prompt's last QUERY_TAIL tokens attend to each token at the probe
-layer, optionally with the first SINK_TOKENS tokens of every cached segment taken first (see
-the NOTE)."""
+SELECTIONS = ("deviation+deep-attention", "deviation", "deviation+attention", "sinks+deviation+attention")
+"""How the recomputed tokens are chosen (see the NOTE): by KV deviation plus how much the
+prompt's last QUERY_TAIL tokens attend to each token through the layers past the probe (the
+default), by KV deviation alone (CacheBlend's criterion), or by deviation plus that attention at
+the probe layer only, optionally with the first SINK_TOKENS tokens of every cached segment taken
+first."""
 
 SINK_TOKENS = 4
 """"sinks+...": each cached segment's first tokens (its own attention sink when it was computed
@@ -241,10 +242,11 @@ alone), recomputed before any other, inside the ratio's budget."""
 
 QUERY_TAIL = 32
 ATTENTION_WEIGHT = 3.0
+DEEP_ATTENTION_WEIGHT = 6.0
 """Weight of the attention term against the deviation term (each scaled to mean 1), see the NOTE."""
 SELECT_LAYERS = 2
 """Default probe depth s (see the NOTE)."""
-DEFAULT_SELECTION = "deviation+attention"
+DEFAULT_SELECTION = "deviation+deep-attention"
 
 
 def _attention_share(layer, q: torch.Tensor, k: torch.Tensor, tail: int) -> torch.Tensor:
@@ -258,6 +260,17 @@ def _attention_share(layer, q: torch.Tensor, k: torch.Tensor, tail: int) -> torc
     scores = (qt @ kt.transpose(1, 2)) * layer.self_attn.scale  # [heads, tail, T]
     pos = torch.arange(T, device=q.device)
     visible = pos[None, :] <= pos[-tail:, None]
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1).mean(dim=(0, 1))
+
+
+def _attention_to(layer, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[T] float32: the attention queries q [A, heads, hd] at positions qpos [A] pay each of the
+    keys k [T, kv_heads, hd] (causal), averaged over the queries and heads."""
+    g = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).float()  # [heads, A, hd]
+    kt = k.transpose(0, 1).repeat_interleave(g, dim=0).float()  # [heads, T, hd]
+    scores = (qt @ kt.transpose(1, 2)) * layer.self_attn.scale  # [heads, A, T]
+    visible = torch.arange(k.shape[0], device=k.device)[None, :] <= qpos[:, None]
     return scores.masked_fill(~visible, float("-inf")).softmax(-1).mean(dim=(0, 1))
 
 
@@ -357,7 +370,13 @@ class BlendPrefill:
         for l, (k, v) in enumerate(fresh):  # layers 0..s
             deviation += _deviation(k, v, out_k[l], out_v[l], cached)
         score = deviation
-        if self.selection != "deviation" and bool(cached.any()):
+        if self.selection == "deviation+deep-attention" and bool(cached.any()):
+            # What the prompt's end reads through all layers past the probe (a pass of the new
+            # text over the reused KV), weighed against the deviation (both scaled to mean 1).
+            deep = self._deep_attention(out_k, out_v, h, q, cos, sin, fresh, cached)
+            score = (deviation / deviation[cached].mean().clamp_min(1e-12)
+                     + DEEP_ATTENTION_WEIGHT * deep / deep[cached].mean().clamp_min(1e-12))
+        elif self.selection != "deviation" and bool(cached.any()):
             # Both terms scaled to mean 1 over the cached tokens, then added: a token that deviates
             # much, or that the prompt's end attends to much, is worth recomputing.
             share = _attention_share(layers[s], q, fresh[s][0], QUERY_TAIL)
@@ -383,6 +402,37 @@ class BlendPrefill:
             h = _finish(layer, h, _attend(layer, q, out_k[l], out_v[l], groups))
         logits = model.compute_logits(model.model.norm(h[-1:]))[0]  # the last prompt token is always in R
         return BlendResult(out_k, out_v, logits, active, deviation.masked_fill(~cached, float("nan")))
+
+
+    def _deep_attention(self, out_k, out_v, h, q, cos, sin, fresh, cached) -> torch.Tensor:
+        """[T]: the attention the prompt's new-text tokens among its last QUERY_TAIL positions pay
+        each token, averaged over their queries, the heads and layers s..L-1, in a pass of the
+        new text (and the last token) alone over the reused KV -- what a ratio-0 blend computes.
+        It writes those tokens' KV into out_k/out_v at layers >= s; the blend that follows
+        recomputes every one of them (new text is always recomputed) and overwrites it."""
+        model, s = self.model, self.select_layers
+        layers = list(model.model.layers)
+        cfg = model.config
+        T = len(self.token_ids)
+        a0 = (~cached).nonzero().squeeze(1)
+        if a0.numel() == 0 or int(a0[-1]) != T - 1:
+            a0 = torch.cat([a0, torch.tensor([T - 1], device=a0.device)])
+        tail = (a0 >= T - QUERY_TAIL).nonzero().squeeze(1)
+        h0, q0 = h[a0], q[a0]
+        k0, v0 = fresh[s][0][a0], fresh[s][1][a0]
+        cos0, sin0 = cos[a0], sin[a0]
+        groups0 = _query_groups(a0, cfg.num_heads // cfg.num_kv_heads)
+        deep = torch.zeros(T, dtype=torch.float32, device=h.device)
+        for l in range(s, cfg.num_layers):
+            layer = layers[l]
+            if l > s:
+                q0, k0, v0 = _qkv(layer, h0, cos0, sin0)
+            out_k[l].index_copy_(0, a0, k0)
+            out_v[l].index_copy_(0, a0, v0)
+            deep += _attention_to(layer, q0[tail], a0[tail], out_k[l])
+            if l + 1 < cfg.num_layers:
+                h0 = _finish(layer, h0, _attend(layer, q0, out_k[l], out_v[l], groups0))
+        return deep / (cfg.num_layers - s)
 
 
 def blend_prefill(model, segments: Sequence[Segment], recompute_ratio: float = 0.15,

@@ -71,7 +71,7 @@ def test_the_engine_blender_and_namespace_use_the_capped_layers(two_layers):
     core = make_core(two_layers, num_blocks=16)
     blender = Blender(two_layers.model, core.scheduler, BlendConfig(0.5, 2))
     assert blender.config.select_layers == 1
-    assert blender.config.namespace(core.namespace, 0.5).storage.endswith(":0.5000:1:deviation+attention")
+    assert blender.config.namespace(core.namespace, 0.5).storage.endswith(":0.5000:1:deviation+deep-attention")
 
 
 def test_attention_window_is_the_narrowest_windowed_layer(windowed, two_layers):

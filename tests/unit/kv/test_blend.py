@@ -1,5 +1,7 @@
 """Blended prefill on a tiny random model: exact at the ends (ratio 1 = full prefill, ratio 0 =
 pure reuse), selection by deviation, and quality that improves with the ratio."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from engine_utils import load_tiny, make_tiny_checkpoint
 from kvmesh.kv.blend import Segment, blend_prefill, segment_kv
 from kvmesh.kv.rope import rotate_keys
 from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, read_kv, write_kv_range
+from kvmesh.services.engine.config import EngineConfig
 
 BLOCK = 16
 
@@ -252,5 +255,48 @@ def test_sinks_selection_takes_every_cached_segment_start_first(model):
     assert torch.equal(sinks0.recomputed, reuse.recomputed) and torch.equal(sinks0.k, reuse.k)
     k, v, logits = _full(model, segments)
     full = blend_prefill(model, segments, recompute_ratio=1.0, selection="sinks+deviation+attention")
+    torch.testing.assert_close(full.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full.logits, logits, atol=1e-5, rtol=0)
+
+
+def test_deep_attention_selection_follows_what_the_end_reads_in_deep_layers(model, monkeypatch):
+    """deviation+deep-attention (the default): the attention the prompt's end pays through the
+    layers past the probe enters the score, so a cached token it reads heavily is recomputed
+    although its deviation is unremarkable; ratios 0 and 1 stay exact (pure reuse, full prefill),
+    and the pass that measures it leaves nothing behind (the same KV as without it at ratio 0)."""
+    import kvmesh.kv.blend as blend_mod
+    from kvmesh.kv.blend import DEFAULT_SELECTION, SELECTIONS
+
+    assert DEFAULT_SELECTION == "deviation+deep-attention"
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "blend_selection")
+    meta = next(iter(field.metadata.values()))  # the engine's flag offers exactly these
+    assert field.default == DEFAULT_SELECTION and set(meta.choices) == set(SELECTIONS)
+
+    segments = _prompt(model, seed=5)
+    plain = blend_prefill(model, segments, 0.1, select_layers=1, selection="deviation")
+    dev = plain.deviation.nan_to_num(float("inf"))
+    cached = ~torch.isnan(plain.deviation)
+    target = int(torch.where(cached, dev, torch.full_like(dev, float("inf"))).argmin())  # least deviating
+    assert target not in plain.recomputed.tolist()
+    calls = []
+
+    def one_hot(layer, q, qpos, k):
+        calls.append(q.shape[0])
+        out = torch.zeros(k.shape[0])
+        out[target] = 1.0
+        return out
+
+    monkeypatch.setattr(blend_mod, "_attention_to", one_hot)
+    deep = blend_prefill(model, segments, 0.1, select_layers=1)
+    assert target in deep.recomputed.tolist()
+    assert len(calls) == model.config.num_layers - 1  # one per layer past the probe
+    assert 1 <= calls[0] <= blend_mod.QUERY_TAIL  # the new-text queries among the last 32 positions
+    monkeypatch.undo()
+    reuse = blend_prefill(model, segments, 0.0, select_layers=1)
+    reuse_plain = blend_prefill(model, segments, 0.0, select_layers=1, selection="deviation")
+    assert torch.equal(reuse.k, reuse_plain.k) and torch.equal(reuse.v, reuse_plain.v)
+    assert torch.equal(reuse.logits, reuse_plain.logits)
+    k, v, logits = _full(model, segments)
+    full = blend_prefill(model, segments, 1.0)
     torch.testing.assert_close(full.k, k, atol=1e-5, rtol=0)
     torch.testing.assert_close(full.logits, logits, atol=1e-5, rtol=0)

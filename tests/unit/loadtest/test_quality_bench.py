@@ -92,3 +92,14 @@ def test_split_setting(monkeypatch):
     monkeypatch.setenv(qb.SPLIT_ENV, "train")
     with pytest.raises(SystemExit, match="dev, test or both"):
         qb.splits_from_env()
+
+
+def test_ratio_setting(monkeypatch):
+    monkeypatch.delenv(qb.RATIOS_ENV, raising=False)
+    assert qb.ratios_from_env(qb.FULL.ratios) == qb.FULL.ratios
+    monkeypatch.setenv(qb.RATIOS_ENV, "0.15, 0.25")
+    assert qb.ratios_from_env(qb.FULL.ratios) == (0.15, 0.25)
+    for bad in ("", "a", "1.5"):
+        monkeypatch.setenv(qb.RATIOS_ENV, bad)
+        with pytest.raises(SystemExit, match="recompute ratios in"):
+            qb.ratios_from_env(qb.FULL.ratios)
