@@ -30,14 +30,8 @@ Q4_1 whether the blocks come from DRAM or L2; a read-only pass over 100 MB takes
 block of 32, a 16-entry table of the block's weights (one FMA: d*q + m for q = 0..15) indexed
 by the nibbles (vpermps), then one FMA per 16 weights per row. Rows of x are taken 4 at a time
 so each weight row is read from DRAM once per call whatever M. Rows are split over the calling
-thread's OpenMP team (as kvmesh.model.native). Past 4 rows (batched decode steps, verify steps
-with drafts) re-decoding each block once per 4 rows of x would cost more than the FMAs: each
-weight row is then decoded once into a buffer, and 4 rows of x meet 5 weight rows at a time,
-one of the 4 chains at a time (20 accumulators in registers), so every (row, output) pair is
-summed in row_dot's order -- the same bits at any M up to 64. Measured over SmolLM2-135M's 120
-decoder matmuls at 2 threads: 88 -> 48 ms at 32 rows (143 GFLOP/s, ~60% of the FMA peak; the
-per-chain passes over K = 576 are short, and their stores and lane sums are the rest), 18 -> 16
-ms at 8. Without AVX-512 each row is dequantized into a
+thread's OpenMP team (as kvmesh.model.native). Past 4 rows the weights are decoded once into a
+buffer instead (kvmesh.model.gguf_blocked), with the same bits. Without AVX-512 each row is dequantized into a
 buffer and dotted in plain C++: same numbers up to rounding, slower. Many rows (prefill) are
 compute-bound on the matmul itself: ``gguf_mm_tiled`` dequantizes a cache-sized tile of weight
 rows at a time and multiplies each tile with torch's dense matmul, never holding the fp32
@@ -57,6 +51,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.model.bundled import default_cache_dir
+from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
 from kvmesh.model.native import _cpu_flags, build_per_mode
 
@@ -319,77 +314,6 @@ static void row_dot(const uint8_t* r, int64_t t, int64_t K, const float* x, floa
   }
 }
 
-// The blocked path (M > RB): each weight row is decoded once into a buffer (decode_row's values),
-// then MR rows of x meet NR weight rows at a time, 16 columns per step. Chunk j (columns 16 j ..
-// 16 j + 15) goes to the same one of the NA chains as in row_dot -- j % 4, or (j % 8) / 2 for
-// Q6_K, whose decode_row emits in that pattern -- each chain in increasing j, and the chains and
-// lanes are summed as row_dot sums them: the same bits as row_dot for every (m, n), whatever M.
-constexpr int MR = 4, NR = 5;  // one chain at a time: MR x NR accumulators + MR + NR loads in registers
-constexpr int64_t TILE_BYTES = 64 * 1024;  // decoded weight rows per tile (per thread), ~L2
-
-// The chunks j of chain c, in increasing order: j = c, c + 4, ... (Q4_0/Q4_1/Q8_0/Q4_K), or
-// j = 8 i + 2 c and 8 i + 2 c + 1 (Q6_K).
-template <int mr, int nr, bool Q6K>
-static void tile_dot(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
-  __m512 part[NA][mr][nr];
-  const int64_t J = K / 16;
-  for (int c = 0; c < NA; ++c) {
-    __m512 acc[mr][nr];
-    for (int m = 0; m < mr; ++m)
-      for (int n = 0; n < nr; ++n) acc[m][n] = _mm512_setzero_ps();
-    auto step = [&](int64_t j) __attribute__((always_inline)) {
-      __m512 xv[mr], wv[nr];
-      for (int m = 0; m < mr; ++m) xv[m] = _mm512_loadu_ps(x + m * K + 16 * j);
-      for (int n = 0; n < nr; ++n) wv[n] = _mm512_loadu_ps(w + n * K + 16 * j);
-      // each loaded vector in a register, used by all its FMAs (folded into them as a memory
-      // operand, it would be loaded once per FMA)
-      for (int m = 0; m < mr; ++m) asm volatile("" : "+v"(xv[m]));
-      for (int n = 0; n < nr; ++n) asm volatile("" : "+v"(wv[n]));
-      for (int m = 0; m < mr; ++m)
-        for (int n = 0; n < nr; ++n) acc[m][n] = _mm512_fmadd_ps(xv[m], wv[n], acc[m][n]);
-    };
-    if (Q6K) {
-      for (int64_t j = 2 * c; j < J; j += 8) { step(j); step(j + 1); }
-    } else {
-      for (int64_t j = c; j < J; j += 4) step(j);
-    }
-    for (int m = 0; m < mr; ++m)
-      for (int n = 0; n < nr; ++n) part[c][m][n] = acc[m][n];
-  }
-  for (int m = 0; m < mr; ++m)
-    for (int n = 0; n < nr; ++n) {
-      const __m512 s = _mm512_add_ps(_mm512_add_ps(part[0][m][n], part[1][m][n]), _mm512_add_ps(part[2][m][n], part[3][m][n]));
-      out[m * ldo + n] = _mm512_reduce_add_ps(s);
-    }
-}
-
-template <int mr, bool Q6K>
-static void tile_dot_n(int nr, const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
-  switch (nr) {
-    case 1: tile_dot<mr, 1, Q6K>(x, K, w, out, ldo); break;
-    case 2: tile_dot<mr, 2, Q6K>(x, K, w, out, ldo); break;
-    case 3: tile_dot<mr, 3, Q6K>(x, K, w, out, ldo); break;
-    case 4: tile_dot<mr, 4, Q6K>(x, K, w, out, ldo); break;
-    default: tile_dot<mr, NR, Q6K>(x, K, w, out, ldo); break;
-  }
-}
-
-// dots[m * ldo + i] = x[m] . (decoded row i of w) for m < M, i < nt: w holds nt rows of K floats.
-template <bool Q6K>
-static void block_dots(const float* x, int64_t M, int64_t K, const float* w, int64_t nt, float* dots, int64_t ldo) {
-  for (int64_t i0 = 0; i0 < nt; i0 += NR) {  // NR weight rows stay in L1 while every x pair passes
-    const int nr = (int)std::min<int64_t>(NR, nt - i0);
-    int64_t m0 = 0;
-    for (; m0 + MR <= M; m0 += MR) tile_dot_n<MR, Q6K>(nr, x + m0 * K, K, w + i0 * K, dots + m0 * ldo + i0, ldo);
-    float* o = dots + m0 * ldo + i0;
-    switch (M - m0) {
-      case 1: tile_dot_n<1, Q6K>(nr, x + m0 * K, K, w + i0 * K, o, ldo); break;
-      case 2: tile_dot_n<2, Q6K>(nr, x + m0 * K, K, w + i0 * K, o, ldo); break;
-      case 3: tile_dot_n<3, Q6K>(nr, x + m0 * K, K, w + i0 * K, o, ldo); break;
-      default: break;
-    }
-  }
-}
 #endif
 
 static bool fast_type(int64_t t) {
@@ -428,13 +352,16 @@ struct Lin {
 
 constexpr int64_t MAX_ROWS = 64;  // rows of x one mm_rows call takes
 
+"""
+
+_SOURCE += BLOCKED_SOURCE  # the batched path, kvmesh.model.gguf_blocked (uses decode_row, Lin)
+
+_SOURCE += r"""
+
 // y[m * ldy + n] = x[m] . W[n] (+ bias[n]) for m < M, n < N, or with ADD y[...] += that (a
 // residual: (dot + bias) + y, the unfused path's order). An orphaned `omp for` over the output
 // rows: the calling team splits them (a lone thread outside a parallel region), and each output
 // is computed alone -- a row's result does not depend on M.
-template <bool ADD>
-static void mm_rows_blocked(const float* x, int64_t M, const Lin& L, float* y, int64_t ldy);
-
 template <bool ADD>
 static void mm_rows(const float* x, int64_t M, const Lin& L, float* y, int64_t ldy) {
   const int64_t K = L.K;
@@ -475,46 +402,6 @@ static void mm_rows(const float* x, int64_t M, const Lin& L, float* y, int64_t l
   }
 }
 
-#if defined(__AVX512F__)
-// mm_rows for M > RB (every part a fast type): the output rows in tiles of decoded weights, the
-// tiles split over the calling team; each tile's rows are decoded once (not once per RB rows of
-// x, as row_dot would) and meet all M rows in block_dots. Same bits as mm_rows' per-row path.
-template <bool ADD>
-static void mm_rows_blocked(const float* x, int64_t M, const Lin& L, float* y, int64_t ldy) {
-  const int64_t K = L.K;
-  const int64_t nt_max = std::max<int64_t>(NR, TILE_BYTES / (4 * K) / NR * NR);
-  const int64_t tiles = (L.N + nt_max - 1) / nt_max;
-  #pragma omp for schedule(static)
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    thread_local std::vector<float> wbuf, dots;
-    const int64_t n0 = tile * nt_max, n1 = std::min(n0 + nt_max, L.N);
-    size_t p = 0;
-    for (int64_t s0 = n0; s0 < n1;) {  // the tile's runs, one per part it spans (types may differ)
-      while (L.first[p + 1] <= s0) ++p;
-      const int64_t s1 = std::min(n1, L.first[p + 1]);
-      const int64_t nt = s1 - s0, tp = L.type[p];
-      wbuf.resize(nt * K);
-      dots.resize(M * nt);
-      for (int64_t i = 0; i < nt; ++i) {
-        const uint8_t* row = L.base[p] + (s0 + i - L.first[p]) * L.stride[p];
-        float* out = wbuf.data() + i * K;
-        decode_row(row, tp, K, [&](auto, int64_t k0, __m512 w) { _mm512_storeu_ps(out + k0, w); });
-      }
-      if (tp == T_Q6_K) block_dots<true>(x, M, K, wbuf.data(), nt, dots.data(), nt);
-      else block_dots<false>(x, M, K, wbuf.data(), nt, dots.data(), nt);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < nt; ++i) {
-          const int64_t n = s0 + i;
-          const float d = dots[m * nt + i];
-          const float v = L.bias ? d + L.bias[n] : d;
-          float& o = y[m * ldy + n];
-          o = ADD ? v + o : v;
-        }
-      s0 = s1;
-    }
-  }
-}
-#endif
 
 static void check_part(const torch::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "gguf: blocks must be uint8 [N, row_bytes] contiguous");
