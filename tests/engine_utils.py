@@ -29,14 +29,20 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def run_all(core: EngineCore, prompts: dict[str, list[int]], params: dict[str, SamplingParams] | SamplingParams,
-            max_steps: int = 100_000) -> dict[str, dict]:
-    """Adds every request at once, steps until all finish; returns per-request tokens/text/final."""
+            max_steps: int = 100_000, resume: dict[str, list[int]] | None = None) -> dict[str, dict]:
+    """Adds every request at once (those in `resume` continuing after those output tokens, as
+    in request migration), steps until all finish; returns per-request tokens/text/final and
+    "texts", the text of each output in order."""
     results: dict[str, dict] = {}
     for rid, ids in prompts.items():
         p = params[rid] if isinstance(params, dict) else params
         core.validate(ids, p)
-        core.add_request(EngineRequest(rid, list(ids), p, time.monotonic()))
-        results[rid] = {"tokens": [], "text": "", "final": None, "logprobs": [], "prompt_logprobs": []}
+        results[rid] = {"tokens": [], "text": "", "final": None, "logprobs": [], "prompt_logprobs": [],
+                        "texts": []}
+        done = core.add_request(EngineRequest(rid, list(ids), p, time.monotonic(),
+                                              resume_token_ids=tuple((resume or {}).get(rid, ()))))
+        if done is not None:
+            results[rid]["final"] = done
     for _ in range(max_steps):
         if not core.has_work:
             break
@@ -44,6 +50,7 @@ def run_all(core: EngineCore, prompts: dict[str, list[int]], params: dict[str, S
             r = results[out.request_id]
             r["tokens"] += out.token_ids
             r["text"] += out.text
+            r["texts"].append(out.text)
             r["logprobs"] += out.logprobs
             r["prompt_logprobs"] += out.prompt_logprobs
             if out.finished:

@@ -148,7 +148,11 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         yield router_pb2.RouteResponse(response=first, route=router_pb2.RouteInfo(
             tier=MODEL, replica="fake", policy=router_pb2.PLACEMENT_POLICY_KV_AWARE))
         text, generated, finish = "", 0, common_pb2.FINISH_REASON_STOP
+        resumed = len(g.resume_token_ids.ids)  # continue after them, as the router and engine do
         for i, word in enumerate(words):
+            if i < resumed:
+                text, generated = text + word, generated + 1
+                continue
             if generated == max_tokens:
                 finish = common_pb2.FINISH_REASON_LENGTH
                 break

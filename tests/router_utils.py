@@ -49,7 +49,7 @@ class Script:
     probe_error: grpc.StatusCode | None = None
     probe_hangs: bool = False                     # Probe never answers (the caller's deadline ends it)
     generate_error: tuple[grpc.StatusCode, str] | None = None  # before the first message
-    fail_after: int | None = None                 # UNAVAILABLE after this many tokens
+    fail_after: int | None = None                 # UNAVAILABLE after this many tokens (of the whole output)
     hold_after: int | None = None                 # wait for `release` after this many tokens
     model: str = "fake-model"
     max_model_len: int = 2048
@@ -91,9 +91,12 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         if s.generate_error is not None:
             await context.abort(*s.generate_error)
         want = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+        resumed = len(request.resume_token_ids.ids)  # a migrated request: go on after those, as an engine does
         done = False
         try:
             for i, token in enumerate(s.tokens):
+                if i < resumed:
+                    continue
                 if s.fail_after is not None and i == s.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} crashed")
                 if s.hold_after is not None and i == s.hold_after:

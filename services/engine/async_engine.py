@@ -122,13 +122,14 @@ class AsyncEngine:
                        *, tenant_salt: str = "", kv_codec: Optional[CodecSpec] = None,
                        speculation: Optional[SpecMode] = None, parts: Optional[list[Part]] = None,
                        recompute_ratio: Optional[float] = None,
-                       quality_budget: QualityBudget = QualityBudget()) -> AsyncIterator[RequestOutput]:
+                       quality_budget: QualityBudget = QualityBudget(),
+                       resume_token_ids: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Validates and queues a request, then yields its outputs until the final one (see
         GenerateInput for the arguments). With a KV-cache service configured, the prompt's
         cached prefix or documents are fetched first, while the step loop keeps serving other
         requests; that never fails the request."""
         inp = GenerateInput(prompt_token_ids, params, request_id, tenant_salt, kv_codec, speculation, parts,
-                            recompute_ratio, quality_budget=quality_budget)
+                            recompute_ratio, quality_budget=quality_budget, resume_token_ids=resume_token_ids)
         async for out in self.submit(inp):
             yield out
 
@@ -251,9 +252,12 @@ class AsyncEngine:
                     probes.append(message.job)
                 elif isinstance(message, Add):
                     try:
-                        self.core.add_request(message.request)
+                        done = self.core.add_request(message.request)
                     except Exception as exc:  # noqa: BLE001 - delivered to the caller as its error
                         self._deliver(exc, message.request.request_id)
+                    else:
+                        if done is not None:  # resumed tokens that already finish the request
+                            self._deliver(done, done.request_id)
                 else:
                     out = self.core.abort(message.request_id)
                     if out is not None:

@@ -40,10 +40,10 @@ from kvmesh.services.engine.kv_transfer import KvTransfer
 from kvmesh.services.engine.outputs import (EngineLoad, EngineRequest, ProbeResult, RequestOutput, Timeline,
                                             Usage)
 from kvmesh.services.engine.runner import ModelRunner, PromptLogprobsChunk
-from kvmesh.services.engine.sampler import Sampler, TokenLogprobs, make_generator
+from kvmesh.services.engine.sampler import Draws, Sampler, TokenLogprobs, make_draws
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
-from kvmesh.services.engine.sequence import FinishReason, Sequence
+from kvmesh.services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvmesh.services.engine.shadow import ShadowChecker
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage
 from kvmesh.services.engine.speculator import SpecConfig, Speculator
@@ -60,7 +60,9 @@ class _State:
     seq: Sequence
     detok: IncrementalDetokenizer
     matcher: StopStringMatcher
-    generator: Optional[torch.Generator]
+    draws: Optional[Draws]
+    """The request's randomness (None when greedy): the draw at output position p is seeded
+    from (seed, p)."""
     timeline: Timeline
     storage: str
     """The request's KvNamespace.storage: how any KV it reuses was made."""
@@ -145,20 +147,30 @@ class EngineCore:
                 "tokenize with this model's tokenizer")
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
 
-    def add_request(self, req: EngineRequest) -> None:
-        """Queues a validated request (ResourceExhausted when the queue is full)."""
+    def add_request(self, req: EngineRequest) -> Optional[RequestOutput]:
+        """Queues a validated request (ResourceExhausted when the queue is full).
+
+        A request that resumes another engine's (EngineRequest.resume_token_ids) starts with
+        those tokens as its output, not yet computed -- the state a preempted sequence is in --
+        and its text and stop-string state replayed from them. When they already finish it (a
+        stream cut between its last token and its summary), nothing is queued and its final
+        output is returned."""
         namespace = req.namespace or self.namespace
         if req.blend is not None:
             namespace = self.blender.config.namespace(namespace, req.blend.recompute_ratio)
         seq = Sequence(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
                        params=req.params, arrival_time=req.arrival_time, namespace=namespace.digest(),
                        needs_prompt_logprobs=req.params.prompt_logprobs is not None)
-        self.scheduler.add(seq)
         timeline = Timeline(req.arrival_time)
-        self._states[req.request_id] = _State(
+        state = _State(
             seq=seq, detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
-            matcher=StopStringMatcher(req.params.stop), generator=make_generator(req.params), timeline=timeline,
+            matcher=StopStringMatcher(req.params.stop), draws=make_draws(req.params), timeline=timeline,
             storage=namespace.storage, fallback=req.fallback, guard=req.guard, trace_context=req.trace_context)
+        done = self._replay(state, req.resume_token_ids)
+        if done is not None:
+            return done
+        self.scheduler.add(seq)
+        self._states[req.request_id] = state
         speculation = req.speculation
         if req.guard is not None and req.guard.served_lossy and self.guardrail is not None:
             # One logits row per output token, as the sampler sees it: verified drafts come from
@@ -171,6 +183,27 @@ class EngineCore:
             self.speculator.add(req.request_id, speculation, timeline, req.trace_context)
         if req.blend is not None or req.document_ids or req.doc_exports is not None:
             self.blender.add(req.request_id, req.blend, req.document_ids, timeline)
+        return None
+
+    def _replay(self, state: _State, tokens: tuple[int, ...]) -> Optional[RequestOutput]:
+        """Appends resumed tokens to a new request's output as `_emit` would, without emitting
+        their text (its client has it); returns the final output if they end the request."""
+        seq = state.seq
+        for token in tokens:
+            seq.append_token(token)
+            reason = check_stop(seq, token, self.eos_token_ids)
+            _, hit = state.matcher.feed("" if reason == "stop" else state.detok.step([token]))
+            if hit is None and reason is not None and reason != "stop":
+                _, hit = state.matcher.feed(state.detok.flush())
+            if hit is not None:
+                reason, stop_reason = FinishReason.STOP_STRING, hit
+            elif reason is not None:
+                reason, stop_reason = FinishReason(reason), str(token) if reason == "stop" else ""
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED  # never queued: the scheduler has nothing to free
+            return self._finish(state, RequestOutput(seq.request_id), reason, stop_reason)
+        return None
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Stops a request and frees its blocks; returns its final output, or None if unknown."""
@@ -247,13 +280,14 @@ class EngineCore:
             states = [self._states[s.request_id] for s in result.seqs]
             self._capture_guard_rows(states, result.logits)
             sampled = self.sampler(result.logits, [s.params for s in result.seqs],
-                                   [st.generator for st in states])
+                                   [st.draws.at(st.seq.num_output_tokens) if st.draws is not None else None
+                                    for st in states])
             lps = sampled.logprobs
             outputs += [self._emit(st.seq, [t], [lps[i]] if lps[i] is not None else [])
                         for i, (st, t) in enumerate(zip(states, sampled.token_ids))]
         if self.speculator is not None:
-            generators = [self._states[d.seq.request_id].generator for d in result.drafts]
-            outputs += self.speculator.verify(result.drafts, generators, self._emit)
+            draws = [self._states[d.seq.request_id].draws for d in result.drafts]
+            outputs += self.speculator.verify(result.drafts, draws, self._emit)
             self.speculator.end_step(sum(len(o.token_ids) for o in outputs))
         return outputs
 

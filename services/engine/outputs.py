@@ -49,6 +49,9 @@ class EngineRequest:
     """Set when the guardrail shadow-checks this request (services/engine/guardrail.py)."""
     fallback: str = ""
     """The lossy path the request opted into and was not served, and why (its reuse is exact)."""
+    resume_token_ids: tuple[int, ...] = ()
+    """Request migration: the output another engine already generated and streamed. The core
+    starts the request with them as its output (see EngineCore.add_request)."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class GenerateInput:
     undeclared fields take the engine's --quality-max-kl / --quality-min-top1."""
     doc_exports: Optional[DocumentExports] = None
     """Ingest: the document alone, its chunks stored by content key only."""
+    resume_token_ids: tuple[int, ...] = ()
+    """Request migration: output tokens another engine generated (and its client received);
+    this engine continues after them."""
 
 
 class RequestPreparer:
@@ -67,6 +70,8 @@ class RequestPreparer:
         if inp.recompute_ratio is not None and not 0.0 <= inp.recompute_ratio <= 1.0:
             raise InvalidArgument(f"blend.recompute_ratio must be in [0, 1] (0 = pure reuse, 1 = full prefill), "
                                   f"got {inp.recompute_ratio}")
+        if inp.resume_token_ids:
+            self._check_resume(inp)
         if inp.parts is not None:
             check_parts(inp.parts)
         elif inp.prompt_token_ids is not None:
@@ -132,7 +137,20 @@ class RequestPreparer:
         return EngineRequest(request_id, list(prompt), inp.params, arrival, namespace=namespace, kv_plan=plan,
                              speculation=inp.speculation, blend=blend, doc_exports=doc_exports,
                              document_ids=document_ids, trace_context=otel_context.get_current(),
-                             guard=guard, fallback="; ".join(fallbacks))
+                             guard=guard, fallback="; ".join(fallbacks), resume_token_ids=inp.resume_token_ids)
+
+    def _check_resume(self, inp: GenerateInput) -> None:
+        vocab = self.core.loaded.config.vocab_size
+        bad = [t for t in inp.resume_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"resume_token_ids: token id {bad[0]} is outside the vocabulary (size {vocab}); "
+                                  "send the token ids the interrupted stream carried")
+        if len(inp.resume_token_ids) > inp.params.max_tokens:
+            raise InvalidArgument(f"resume_token_ids: {len(inp.resume_token_ids)} tokens exceed max_tokens "
+                                  f"({inp.params.max_tokens}); send the request's original max_tokens")
+        if inp.params.prompt_logprobs is not None:
+            raise InvalidArgument("resume_token_ids cannot be combined with prompt_logprobs (the interrupted "
+                                  "stream delivered them); unset sampling.prompt_logprobs")
 
     def _admit(self, path: LossyPath, fallbacks: list[str],
                spans: tuple[tuple[int, int], ...] = ()) -> tuple[bool, Optional[GuardTicket]]:

@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens, each sequence with its own params and random stream."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -79,20 +80,49 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return scaled.softmax(dim=-1)
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A request's own random stream: seeded from params.seed, else randomly; None when greedy.
+_MASK64 = (1 << 64) - 1
 
-    Keep it for the request's lifetime (not per step, not per admission): a preempted and
-    recomputed request then continues the same stream.
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for output position `position` of a request seeded `seed`: both
+    mixed through splitmix64's finalizer, so neighbouring seeds or positions give unrelated
+    streams. A 64-bit value (what torch.Generator.manual_seed takes)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class Draws:
+    """A sampled request's randomness, keyed by output position.
+
+    NOTE: the draw that picks output token p (0 = the first generated token) comes from a
+    generator seeded with position_seed(seed, p), never from a stream shared with earlier
+    draws. A token therefore depends only on (seed, p) and the distribution at p. That is what
+    makes a seeded request reproducible wherever its tokens are computed: after a preemption
+    (recompute), on another replica that continues it (request migration resumes at position
+    p with the same seed), and with or without speculative decoding (verification samples
+    position p exactly as plain decoding does: see speculation's NOTE).
     """
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.seed = seed
+        self._generator = torch.Generator(device=device)
+
+    def at(self, position: int) -> torch.Generator:
+        """The generator for the draw at output `position` (one object, re-seeded per call:
+        use it before asking for another position)."""
+        self._generator.manual_seed(position_seed(self.seed, position))
+        return self._generator
+
+
+def make_draws(params: SamplingParams, device: torch.device | str = "cpu") -> Draws | None:
+    """A request's Draws, seeded from params.seed (else a random 64-bit seed); None when greedy.
+    Keep it for the request's lifetime."""
     if params.greedy:
         return None
-    generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
-    return generator
+    seed = params.seed if params.seed is not None else secrets.randbits(64)
+    return Draws(seed, device)
 
 
 class Sampler:
@@ -100,8 +130,8 @@ class Sampler:
 
     Greedy rows (temperature 0) are one batched argmax. Other rows get temperature, top-k and
     top-p applied as one batched tensor op, then one draw each from the row's own generator
-    (see `make_generator`). A row's draw never touches another row's stream, so a seed
-    reproduces its output whatever else shares the batch.
+    (`Draws.at` the row's output position). A row's draw never touches another row's, so a
+    seed reproduces its output whatever else shares the batch.
     Logprobs come from log_softmax of the raw logits, before temperature and filtering.
     """
 

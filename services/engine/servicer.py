@@ -184,9 +184,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
             "kvmesh.request_id": request.request_id})
         budget = budget_from_proto(request.quality_budget) if request.HasField("quality_budget") else QualityBudget()
+        resume = ()
+        if request.HasField("resume_token_ids"):
+            _reject_unknown_fields(request.resume_token_ids, "resume_token_ids")
+            resume = tuple(request.resume_token_ids.ids)
+            trace.get_current_span().set_attribute("kvmesh.resumed_tokens", len(resume))
         async for out in self.engine.generate(ids, params, request.request_id, tenant_salt=request.cache_salt,
                                               kv_codec=kv_codec, speculation=speculation,
-                                              parts=parts, recompute_ratio=ratio, quality_budget=budget):
+                                              parts=parts, recompute_ratio=ratio, quality_budget=budget,
+                                              resume_token_ids=resume):
             for msg in self._to_proto(out, tokenizer):
                 yield msg
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.services.engine.sampler import sampling_probs
+from kvmesh.services.engine.sampler import Draws, sampling_probs
 from kvmesh.services.engine.sampling import SamplingParams
 
 
@@ -63,40 +63,39 @@ class Verdict:
 # and top-p, exactly what plain sampling uses (sampler.sampling_probs).
 #
 # The draft service proposes tokens, not distributions: a proposal is a point mass q(x_j) = 1.
-# Speculative sampling accepts x_j with probability min(1, p_j(x_j) / q(x_j)) = p_j(x_j), and on
-# rejection samples from the residual max(0, p_j - q) normalised, which is p_j with x_j removed:
+# Speculative sampling accepts x_j with probability min(1, p_j(x_j) / q(x_j)) = p_j(x_j) and on
+# rejection samples the residual max(0, p_j - q) normalised, p_j with x_j removed. For a point
+# mass the same joint law comes from sampling first and comparing:
 #
-#     u_1..u_k ~ U[0, 1)                              (the request's own generator)
 #     for j in 1..k:
-#         if u_j < p_{j-1}(x_j):  accept x_j, go on
-#         else:                   emit y ~ p_{j-1}(. | y != x_j); stop     (the correction)
-#     all k accepted:             emit y ~ p_k                             (the bonus token)
+#         y ~ p_{j-1}, drawn with the generator of y's output position (sampler.Draws)
+#         if y == x_j:  accept x_j, go on        (probability p_{j-1}(x_j), as above)
+#         else:         emit y; stop             (y is p_{j-1} conditioned on y != x_j)
+#     all k accepted:   emit y ~ p_k             (the bonus token, same draw rule)
 #
-# Each emitted token is then distributed exactly as under p: P(x) = p(x) from the accept branch,
-# and for y != x, P(y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y). So the output distribution of a
-# sampled request is the target's whatever the drafts are; good drafts only make it faster.
-# Greedy requests (temperature 0) have p_j = one-hot(argmax_j), so the rule becomes: accept the
-# longest prefix of drafts equal to the target's argmax, then emit the argmax at the first
-# mismatch (or after all k) -- token for token what plain greedy decoding produces (up to the
-# float rounding any change of batch shape brings: see the runner's NOTE).
-#
-# A sampled request's random stream is consumed differently than by plain sampling, so a seed
-# reproduces its output only under the same drafts (which depend on the draft service).
+# Each emitted token is a plain sample from its row's p, so the output distribution is the
+# target's whatever the drafts are, and the acceptance rate is the rejection rule's. And since
+# position n's draw uses the same seeded generator as plain decoding's draw at n, a seeded
+# request gives the same tokens with or without speculation, whatever the drafts (up to the
+# float rounding any change of batch shape brings to the logits: see the runner's NOTE).
+# Greedy requests (temperature 0) have p_j = one-hot(argmax_j): accept the longest prefix of
+# drafts equal to the target's argmax, then emit the argmax at the first mismatch (or after all
+# k) -- token for token what plain greedy decoding produces.
 
 
 def verify(logits: torch.Tensor, drafts: tuple[int, ...] | list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> Verdict:
+           draws: Draws | None, position: int = 0) -> Verdict:
     """Applies the acceptance rule (see the NOTE) to one sequence.
 
     logits: [k + 1, vocab] float32, row j predicting the token after draft j (row 0: after the
-    last known token); drafts: the k draft token ids; generator: the request's own (None when
-    greedy), on logits' device.
+    last known token); drafts: the k draft token ids; draws: the request's (None when greedy);
+    position: the output position row 0 predicts (the sequence's output tokens so far).
     """
-    return verify_batch([logits], [tuple(drafts)], [params], [generator])[0]
+    return verify_batch([logits], [tuple(drafts)], [params], [draws], [position])[0]
 
 
 def verify_batch(logits: list[torch.Tensor], drafts: list[tuple[int, ...]], params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[Verdict]:
+                 draws: list[Draws | None], positions: list[int]) -> list[Verdict]:
     """`verify` for several sequences with one argmax and one sampling_probs over all their rows
     (per-sequence tensor ops cost more than the arithmetic on a CPU), then the rule per sequence."""
     for rows, d in zip(logits, drafts):
@@ -121,10 +120,10 @@ def verify_batch(logits: list[torch.Tensor], drafts: list[tuple[int, ...]], para
     for i, d in enumerate(drafts):
         if params[i].greedy:
             verdicts.append(_accept_greedy(argmax[starts[i]:starts[i + 1]], d))
-        elif generators[i] is None:
-            raise ValueError("a sampled request (temperature > 0) needs its generator")
+        elif draws[i] is None:
+            raise ValueError("a sampled request (temperature > 0) needs its Draws")
         else:
-            verdicts.append(_accept_sampled(probs[i], d, generators[i]))
+            verdicts.append(_accept_sampled(probs[i], d, draws[i], positions[i]))
     return verdicts
 
 
@@ -136,19 +135,13 @@ def _accept_greedy(target: list[int], drafts: tuple[int, ...]) -> Verdict:
     return Verdict(target[:n + 1], n)
 
 
-def _accept_sampled(probs: torch.Tensor, drafts: tuple[int, ...], generator: torch.Generator) -> Verdict:
-    """probs: [k + 1, V], row j the distribution p_j of the NOTE."""
-    k = len(drafts)
-    p_draft = probs[torch.arange(k), torch.tensor(drafts, dtype=torch.long)].tolist()  # [k]: p_j(x_j)
-    u = torch.rand(k, generator=generator, device=probs.device).tolist()  # [k] ~ U[0, 1)
+def _accept_sampled(probs: torch.Tensor, drafts: tuple[int, ...], draws: Draws, position: int) -> Verdict:
+    """probs: [k + 1, V], row j the distribution p_j of the NOTE; row 0 samples output
+    `position`."""
     for j, x in enumerate(drafts):
-        if u[j] < p_draft[j]:
-            continue  # accepted
-        residual = probs[j].clone()  # [V]: p_j with x removed (multinomial renormalises)
-        residual[x] = 0.0
-        if not residual.sum() > 0:  # p_j(x) rounds to 1 yet u >= p_j(x): x is all there is
-            return Verdict(list(drafts[:j + 1]), j)
-        y = torch.multinomial(residual, 1, generator=generator).item()
-        return Verdict([*drafts[:j], y], j)
-    bonus = torch.multinomial(probs[k], 1, generator=generator).item()
+        y = torch.multinomial(probs[j], 1, generator=draws.at(position + j)).item()
+        if y != x:
+            return Verdict([*drafts[:j], y], j)
+    k = len(drafts)
+    bonus = torch.multinomial(probs[k], 1, generator=draws.at(position + k)).item()
     return Verdict([*drafts, bonus], k)

@@ -20,14 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from kvmesh.services.engine.draft_client import DraftClient, DraftQuery
 from kvmesh.services.engine.outputs import SPEC_EVENTS, RequestOutput, Timeline
 from kvmesh.services.engine.runner import DraftLogits
-from kvmesh.services.engine.sampler import TokenLogprobs, token_logprobs
+from kvmesh.services.engine.sampler import Draws, TokenLogprobs, token_logprobs
 from kvmesh.services.engine.scheduler import Scheduler
 from kvmesh.services.engine.sequence import Sequence
 from kvmesh.services.engine.spec_gate import Arm, SpecGate, default_arms
@@ -150,14 +149,15 @@ class Speculator:
 
     # ---- after the forward -------------------------------------------------------------------
 
-    def verify(self, rows: list[DraftLogits], generators: list[Optional[torch.Generator]],
+    def verify(self, rows: list[DraftLogits], draws: list[Optional[Draws]],
                emit: Emit) -> list[RequestOutput]:
         """Emits each verified run token by token (a stop cuts it), then keeps the accepted
         drafts' KV and drops the rejected ones'."""
         if not rows:
             return []
         verdicts = verify_batch([r.logits for r in rows], [r.draft_token_ids for r in rows],
-                                [r.seq.params for r in rows], generators)
+                                [r.seq.params for r in rows], draws,
+                                [r.seq.num_output_tokens for r in rows])
         outputs = []
         for r, verdict in zip(rows, verdicts):
             seq, tokens = r.seq, verdict.token_ids

@@ -149,61 +149,54 @@ class ChoiceFinal:
     """How the engine made the prompt's cache hits."""
 
 
+ROUTER_RETRIES = 2
+"""Times one choice calls the router again after UNAVAILABLE (see run_choice)."""
+
+
 async def run_choice(router: RouterClient, job: ChoiceJob
                      ) -> AsyncIterator[ChoiceDelta | ChoiceFinal]:
     """Stream one choice: its deltas (the last with finish_reason), then its ChoiceFinal.
 
-    The stream is read to its end (the router closes it right after the final message), so a
-    finished call ends OK on both sides rather than being cancelled.
+    A router call that fails UNAVAILABLE (the router died or restarts under its supervisor) is
+    made again, waiting for the router, up to ROUTER_RETRIES times within the deadline: from
+    the start when nothing reached the client yet, else resuming after the tokens the client
+    has (GenerateRequest.resume_token_ids, with the seed the router reported), so the stream
+    goes on without a gap or a repeat. The stream is read to its end (the router closes it
+    right after the final message), so a finished call ends OK on both sides rather than being
+    cancelled.
     """
     started = time.monotonic()
-    call = router.generate(job.request)
+    request, call = job.request, router.generate(job.request)
+    streamed: list[int] = []
+    seed: int | None = None
+    retries = 0
     first = True
     final: ChoiceFinal | None = None
     try:
-        try:
-            head = await call.read()
-        except grpc.aio.AioRpcError as err:
-            # Nothing reached the client yet, so the request can start again: once, waiting for the
-            # router (a router that died under the call comes back under its supervisor).
-            left = router.timeout_s - (time.monotonic() - started)
-            if err.code() is not grpc.StatusCode.UNAVAILABLE or left <= 0:
-                raise
-            call = router.generate(job.request, timeout_s=left)
-            head = await call.read()
-        messages = _stream(head, call)
-        async for msg in messages:
-            out: engine_pb2.GenerateResponse = msg.response
-            if final is not None:
-                continue  # nothing may follow the final message; ignore it if it does
-            echo = None
-            if first and job.echo is not None:
-                echo = job.echo
-                # The engine sends one entry per prompt token from the second on; without them
-                # (a tier that cannot score prompts) the placeholders without logprobs stay.
-                prompt_logprobs = out.delta.prompt_logprobs
-                if echo.logprobs and len(prompt_logprobs) == len(echo.logprobs) - 1:
-                    echo = EchoedPrompt(echo.text, echo.token_ids,
-                                        echo.logprobs[:1] + _logprobs(prompt_logprobs))
-            finish = None
-            delta = out.delta  # empty on the final message
-            if out.HasField("final"):
-                if out.final.finish_reason not in _FINISH:
-                    raise ApiError(grpc.StatusCode.UNAVAILABLE,
-                                   "the engine aborted the request (it may be draining); retry",
-                                   retry_after=router.retry_after_s)
-                finish = _FINISH[out.final.finish_reason]
-                u, f = out.final.usage, out.final
-                final = ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
-                                    u.cached_prompt_tokens,
-                                    DocumentUsage(tuple(f.document_ids), f.blended_tokens,
-                                                  f.recomputed_tokens),
-                                    KvReuse(f.reuse.storage or "exact", f.reuse.kv_service_tokens,
-                                            f.reuse.fallback))
-            if first or delta.text or delta.token_ids or finish:
-                yield ChoiceDelta(job.index, delta.text, tuple(delta.token_ids),
-                                  _logprobs(delta.logprobs), finish, echo, first)
-                first = False
+        while True:
+            try:
+                async for msg in _stream(call):
+                    if msg.HasField("route") and msg.route.HasField("seed"):
+                        seed = msg.route.seed
+                    out: engine_pb2.GenerateResponse = msg.response
+                    if final is not None:
+                        continue  # nothing may follow the final message; ignore it if it does
+                    streamed += out.delta.token_ids
+                    item, final = _choice_item(router, job, out, first)
+                    if item is not None:
+                        yield item
+                        first = False
+                break
+            except grpc.aio.AioRpcError as err:
+                if final is not None:
+                    break  # the answer is whole; only the end of the stream was lost
+                left = router.timeout_s - (time.monotonic() - started)
+                if err.code() is not grpc.StatusCode.UNAVAILABLE or left <= 0 or retries >= ROUTER_RETRIES:
+                    raise
+                retries += 1
+                if not first:
+                    request = _resumed(job.request, streamed, seed)
+                call = router.generate(request, timeout_s=left)
         if final is None:
             raise ApiError(grpc.StatusCode.UNAVAILABLE,
                            "the router's stream ended without a final message; retry",
@@ -214,12 +207,58 @@ async def run_choice(router: RouterClient, job: ChoiceJob
             call.cancel()
 
 
-async def _stream(head, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[router_pb2.RouteResponse]:
-    """The call's messages, `head` (its first read) first."""
-    msg = head
-    while msg is not grpc.aio.EOF:
+def _resumed(request: router_pb2.RouteRequest, streamed: list[int], seed: int | None) -> router_pb2.RouteRequest:
+    """`request` continued after the tokens its client received (see run_choice)."""
+    out = router_pb2.RouteRequest()
+    out.CopyFrom(request)
+    sampling = out.request.sampling
+    out.request.resume_token_ids.ids[:] = [*request.request.resume_token_ids.ids, *streamed]
+    sampling.ClearField("prompt_logprobs")
+    if seed is not None and not sampling.HasField("seed"):
+        sampling.seed = seed
+    return out
+
+
+def _choice_item(router: RouterClient, job: ChoiceJob, out: engine_pb2.GenerateResponse,
+                 first: bool) -> tuple[ChoiceDelta | None, ChoiceFinal | None]:
+    """What one engine message means for the choice: the delta to send (None when it carries
+    nothing), and for the final message the ChoiceFinal."""
+    echo = None
+    if first and job.echo is not None:
+        echo = job.echo
+        # The engine sends one entry per prompt token from the second on; without them
+        # (a tier that cannot score prompts) the placeholders without logprobs stay.
+        prompt_logprobs = out.delta.prompt_logprobs
+        if echo.logprobs and len(prompt_logprobs) == len(echo.logprobs) - 1:
+            echo = EchoedPrompt(echo.text, echo.token_ids,
+                                echo.logprobs[:1] + _logprobs(prompt_logprobs))
+    finish = None
+    delta = out.delta  # empty on the final message
+    final = None
+    if out.HasField("final"):
+        if out.final.finish_reason not in _FINISH:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                           "the engine aborted the request (it may be draining); retry",
+                           retry_after=router.retry_after_s)
+        finish = _FINISH[out.final.finish_reason]
+        u, f = out.final.usage, out.final
+        final = ChoiceFinal(job.prompt_index, u.prompt_tokens, u.completion_tokens,
+                            u.cached_prompt_tokens,
+                            DocumentUsage(tuple(f.document_ids), f.blended_tokens,
+                                          f.recomputed_tokens),
+                            KvReuse(f.reuse.storage or "exact", f.reuse.kv_service_tokens,
+                                    f.reuse.fallback))
+    item = None
+    if first or delta.text or delta.token_ids or finish:
+        item = ChoiceDelta(job.index, delta.text, tuple(delta.token_ids),
+                           _logprobs(delta.logprobs), finish, echo, first)
+    return item, final
+
+
+async def _stream(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[router_pb2.RouteResponse]:
+    """The call's messages."""
+    while (msg := await call.read()) is not grpc.aio.EOF:
         yield msg
-        msg = await call.read()
 
 
 _DONE = object()

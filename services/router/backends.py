@@ -69,6 +69,8 @@ class Backend(Protocol):
 
     replica: Replica
     can_probe: bool
+    can_resume: bool
+    """It continues a request another replica started (GenerateRequest.resume_token_ids)."""
 
     def generate(self, request: engine_pb2.GenerateRequest, prompt_text: str,
                  timeout: float) -> AsyncIterator[engine_pb2.GenerateResponse]: ...
@@ -85,6 +87,7 @@ class EngineBackend:
     """A kvmesh engine replica over gRPC (a `kvmesh.rpc.client.make_channel` channel)."""
 
     can_probe = True
+    can_resume = True
 
     def __init__(self, replica: Replica, channel: grpc.aio.Channel) -> None:
         self.replica = replica

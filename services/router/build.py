@@ -20,9 +20,15 @@ def build_backend(replica: Replica, cfg: RouterConfig) -> Backend:
         # A replica that went away is retried after the router's own back-off, so grpc's
         # reconnect back-off (up to 2 minutes by default) must not keep it out longer.
         backoff_ms = max(int(cfg.down_backoff_s * 1000), 100)
+        # Pings while a call is open (and unlimited ones while the engine only sends: a long
+        # prefill sends nothing) detect a replica that hangs -- the connection stays up, nothing
+        # answers -- within keepalive + timeout; the engine's server accepts them (rpc.server).
         channel = make_channel(replica.address, options=[
             ("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms)])
+            ("grpc.max_reconnect_backoff_ms", backoff_ms),
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            ("grpc.http2.max_pings_without_data", 0)])
         return EngineBackend(replica, channel)
     return OpenAIBackend(replica, httpx.AsyncClient(), cfg.openai_api_key)
 
@@ -32,7 +38,7 @@ def build_router(cfg: RouterConfig, metrics: RouterMetrics) -> Router:
     first call."""
     topology = cfg.topology
     knobs = PlacementKnobs(cfg.policy, cfg.probe_timeout_s, cfg.load_weight,
-                           cfg.generate_timeout_s)
+                           cfg.generate_timeout_s, cfg.stall_timeout_s, cfg.migration_limit)
     pools = {
         tier.name: TierPool(tier, [build_backend(r, cfg) for r in tier.replicas], knobs,
                             TierState([r.label for r in tier.replicas], cfg.down_backoff_s), metrics)

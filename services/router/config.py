@@ -51,6 +51,22 @@ class RouterConfig:
     generate_timeout_s: float = setting(
         600.0, "Deadline of one engine Generate call when the caller set none (a caller's "
                "deadline always caps it).", min=0.1)
+    stall_timeout_s: float = setting(
+        30.0, "Longest wait for an engine stream's next message once it has started; a stream "
+              "silent this long is treated as a failed replica (migrated, see "
+              "--migration-limit). 0 = no limit.", min=0.0)
+    migration_limit: int = setting(
+        3, "Times one request may move to another replica when its replica fails mid-stream "
+           "(killed, unreachable, hung past --keepalive-s + --keepalive-timeout-s or "
+           "--stall-timeout-s): the new replica continues after the tokens already streamed. "
+           "0 = a mid-stream failure ends the request with an error.", min=0)
+    keepalive_s: float = setting(
+        2.0, "Seconds between HTTP/2 pings on a busy engine connection: a replica that stops "
+             "answering (a hung or stopped process) is detected within keepalive_s + "
+             "keepalive_timeout_s and its requests move on.", min=0.1)
+    keepalive_timeout_s: float = setting(
+        3.0, "Seconds an engine has to answer a ping before its connection is dropped.",
+        min=0.1)
     info_timeout_s: float = setting(
         2.0, "Deadline of the model-info calls ListModels makes (answers are cached).", min=0.01)
     openai_api_key: str = setting(

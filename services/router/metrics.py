@@ -34,6 +34,11 @@ class RouterMetrics:
             metric_name("router", "replica_marked_down"),
             "Times a replica was marked down (skipped for the back-off period).",
             ["tier", "replica"], registry=registry)
+        self.migrations = Counter(
+            metric_name("router", "migrations"),
+            "Requests whose replica failed mid-stream, by outcome: migrated (continued on "
+            "another replica), failed (no replica took the continuation) or limit (moved "
+            "--migration-limit times already).", ["tier", "outcome"], registry=registry)
         self.generated_tokens = Counter(
             metric_name("router", "generated_tokens"),
             "Tokens generated per tier, kept or not (a cascade's discarded answers included).",

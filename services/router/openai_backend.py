@@ -79,6 +79,7 @@ class OpenAIBackend:
     """One OpenAI-compatible endpoint (`replica.address` is its base URL, ending in /v1)."""
 
     can_probe = False
+    can_resume = False  # /v1/completions has no way to continue another replica's output
 
     def __init__(self, replica: Replica, client: httpx.AsyncClient, api_key: str = "") -> None:
         self.replica = replica

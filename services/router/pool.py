@@ -4,8 +4,22 @@ opening a request's stream with failover.
 NOTE (failover): `open` walks the placement's order. A replica that fails before its first
 message with UNAVAILABLE (connection refused, draining, stopped) is marked down and the next one
 is tried; RESOURCE_EXHAUSTED (its queue is full) moves on without marking it down. The first
-message commits the request to that replica: any later error goes to the caller, since tokens
-may already have been relayed. Every attempt is counted in kvmesh_router_requests_total.
+message commits the request to that replica. Every attempt is counted in
+kvmesh_router_requests_total.
+
+NOTE (migration): once the first message is out, the client holds part of the answer, so a
+replica failing later (MIGRATE_ON: killed, unreachable, hung -- detected by the channel's
+keepalive pings or the stall timeout -- or broken) is marked down and the request continues on
+another replica that can resume: the same request with `resume_token_ids` = every token already
+relayed. That engine computes prompt + those tokens (the prompt's prefix from its cache or the KV
+service), replays their text and stop-string state without sending them, and streams what comes
+next, so the client sees one stream with no gap and nothing twice. Greedy output equals an
+uninterrupted run's; seeded sampling too, since a draw depends only on (seed, output position)
+and the router pins a seed on sampled requests that have none (Router.generate). The final
+usage counts every completion token. At most --migration-limit moves per request; errors that
+are the request's own (invalid, deadline, cancelled) are never migrated. Dynamo's frontend
+migration (--migration-limit) re-sends prompt + tokens as a new prompt; resuming keeps stop
+strings, max_tokens and usage exact.
 
 NOTE (probes): kv_aware probes every healthy replica at once, each with the probe deadline. A
 probe answered UNAVAILABLE marks its replica down (it would fail the request too); a late probe
@@ -18,12 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import KvmeshError, Unavailable
@@ -32,6 +48,8 @@ from kvmesh.services.router.backends import Backend, BackendError, ModelInfo
 from kvmesh.services.router.placement import Candidate, Choice, Load, TierState, rank
 from kvmesh.services.router.prompts import probe_ids, prompt_tokens
 from kvmesh.services.router.topology import Tier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,38 @@ class PlacementKnobs:
     probe_timeout_s: float = 0.2
     load_weight: float = 64.0
     generate_timeout_s: float = 600.0
+    stall_timeout_s: float = 30.0
+    """Longest wait for a stream's next message after its first; 0 = none."""
+    migration_limit: int = 3
+    """Times one request may move to another replica mid-stream; 0 = never."""
+
+
+MIGRATE_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+"""Mid-stream failures that move a request to another replica: the replica went away (killed,
+unreachable, hung past the keepalive or stall deadline, stopped while draining) or broke."""
+
+
+@dataclass
+class _Attempt:
+    """One engine call of a request: where, how it was placed, its stream and first message."""
+
+    replica: str
+    policy: str
+    cached_tokens: int
+    stream: AsyncIterator[engine_pb2.GenerateResponse]
+    first: engine_pb2.GenerateResponse | None = None
+    ended: bool = False
+
+
+def continuation(request: engine_pb2.GenerateRequest, streamed: Sequence[int]) -> engine_pb2.GenerateRequest:
+    """The request that continues `request` after the tokens its client already received: the
+    same prompt and sampling (the seed pinned: see Router.generate), resuming after `streamed`;
+    prompt logprobs came with the first stream."""
+    out = engine_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.resume_token_ids.ids[:] = streamed
+    out.sampling.ClearField("prompt_logprobs")
+    return out
 
 
 @dataclass
@@ -112,53 +162,126 @@ class TierPool:
         return rank(self.knobs.policy, candidates, prompt_tokens=prompt_tokens(request),
                     load_weight=self.knobs.load_weight, cursor=cursor)
 
-    @contextlib.asynccontextmanager
-    async def open(self, request: engine_pb2.GenerateRequest,
-                   prompt_text: str = "") -> AsyncIterator[Opened]:
+    async def _start(self, request: engine_pb2.GenerateRequest, prompt_text: str,
+                     exclude: Collection[str] = (), migration: bool = False) -> _Attempt:
         """Place `request` and start it on the best replica that takes it (failover, see the
-        module NOTE); closing the context closes the stream and cancels the engine call."""
-        if not request.request_id:
-            request.request_id = new_request_id()
+        module NOTE), skipping `exclude`; returns the attempt with its first message."""
         choice = await self.place(request)
         failures: list[BackendError] = []
         for attempt, ranked in enumerate(choice.ranked):
             replica = ranked.replica
-            if attempt and self.state.is_down(replica):
+            backend = self.backends[replica]
+            if replica in exclude or (attempt and self.state.is_down(replica)) \
+                    or (migration and not backend.can_resume):
                 continue
-            policy = choice.policy if attempt == 0 else "failover"
-            stream = self.backends[replica].generate(request, prompt_text,
-                                                     self.knobs.generate_timeout_s)
+            policy = "migration" if migration else choice.policy if attempt == 0 else "failover"
+            started = _Attempt(replica, policy, ranked.cached_tokens,
+                               backend.generate(request, prompt_text, self.knobs.generate_timeout_s))
             self.state.begin(replica)
-            code = grpc.StatusCode.OK
             try:
-                try:
-                    first = await anext(stream)
-                except StopAsyncIteration:
-                    raise BackendError(replica, grpc.StatusCode.INTERNAL,
-                                       "ended its stream without a message") from None
-                except BackendError as e:
-                    code = e.code
-                    if not e.try_elsewhere:
-                        raise
-                    if e.replica_down:
-                        self._mark_down(replica, e.message)
-                    failures.append(e)
-                    continue
-                self.metrics.placement_cached_tokens.labels(self.tier.name).observe(
-                    ranked.cached_tokens)
-                yield Opened(self.tier.name, replica, policy, ranked.cached_tokens, first, stream)
-                return
+                started.first = await anext(started.stream)
+            except StopAsyncIteration:
+                await self._end(started, grpc.StatusCode.INTERNAL)
+                raise BackendError(replica, grpc.StatusCode.INTERNAL,
+                                   "ended its stream without a message") from None
             except BackendError as e:
-                code = e.code
+                await self._end(started, e.code)
+                if not e.try_elsewhere:
+                    raise
+                if e.replica_down:
+                    self._mark_down(replica, e.message)
+                failures.append(e)
+                continue
+            except BaseException as e:  # the caller's cancellation
+                await self._end(started, _status_of(e))
                 raise
-            except BaseException as e:  # the consumer's error, or its cancellation
-                code = _status_of(e)
-                raise
-            finally:
-                await stream.aclose()
-                self.state.end(replica)
-                self.metrics.requests.labels(self.tier.name, replica, policy, code.name).inc()
+            self.metrics.placement_cached_tokens.labels(self.tier.name).observe(ranked.cached_tokens)
+            return started
         raise _exhausted(self.tier.name, failures)
+
+    async def _end(self, attempt: _Attempt, code: grpc.StatusCode) -> None:
+        """Close an attempt's stream (cancelling its engine call) and count it."""
+        await attempt.stream.aclose()
+        self.state.end(attempt.replica)
+        self.metrics.requests.labels(self.tier.name, attempt.replica, attempt.policy, code.name).inc()
+
+    @contextlib.asynccontextmanager
+    async def open(self, request: engine_pb2.GenerateRequest, prompt_text: str = "",
+                   migrate: bool = True) -> AsyncIterator[Opened]:
+        """Place `request` and start it on the best replica that takes it (failover, see the
+        module NOTE); with `migrate`, a stream its replica breaks after the first message goes
+        on on another replica (see the NOTE on migration). Closing the context closes the
+        stream and cancels the engine call."""
+        if not request.request_id:
+            request.request_id = new_request_id()
+        attempts = [await self._start(request, prompt_text)]
+        first = attempts[0]
+        rest = self._rest(attempts, request, prompt_text, migrate)
+        code = grpc.StatusCode.OK
+        try:
+            yield Opened(self.tier.name, first.replica, first.policy, first.cached_tokens, first.first, rest)
+        except BackendError as e:
+            code = e.code
+            raise
+        except BaseException as e:  # the consumer's error, or its cancellation
+            code = _status_of(e)
+            raise
+        finally:
+            await rest.aclose()
+            if not attempts[-1].ended:
+                await self._end(attempts[-1], code)
+
+    async def _rest(self, attempts: list[_Attempt], request: engine_pb2.GenerateRequest, prompt_text: str,
+                    migrate: bool) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The stream after its first message, migrated when its replica fails mid-stream."""
+        # what the client holds: tokens a caller's own resume carried, then this stream's
+        streamed = [*request.resume_token_ids.ids, *attempts[0].first.delta.token_ids]
+        stall = self.knobs.stall_timeout_s
+        while True:
+            current = attempts[-1]
+            try:
+                while True:
+                    try:
+                        # asyncio.timeout, not wait_for: wait_for reads the stream from a task
+                        # of its own, and cancelling that task can leave the engine call open
+                        async with asyncio.timeout(stall or None):
+                            message = await anext(current.stream)
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        raise BackendError(current.replica, grpc.StatusCode.UNAVAILABLE,
+                                           f"stalled: no message for {stall:g}s (--stall-timeout-s)") from None
+                    if message.HasField("delta"):
+                        streamed.extend(message.delta.token_ids)
+                    yield message
+            except BackendError as e:
+                if not (migrate and e.code in MIGRATE_ON and self.backends[current.replica].can_resume):
+                    raise
+                current.ended = True
+                await self._end(current, e.code)
+                self._mark_down(current.replica, e.message)
+                if len(attempts) > self.knobs.migration_limit:
+                    self.metrics.migrations.labels(self.tier.name, "limit").inc()
+                    raise BackendError(e.replica, e.code, f"{e.message} (after {len(attempts) - 1} migrations "
+                                                          f"of this request: --migration-limit)") from None
+                try:
+                    attempts.append(await self._start(continuation(request, streamed), prompt_text,
+                                                      exclude={a.replica for a in attempts}, migration=True))
+                except (BackendError, KvmeshError) as failed:
+                    self.metrics.migrations.labels(self.tier.name, "failed").inc()
+                    why = failed.message if isinstance(failed, BackendError) else str(failed)
+                    raise BackendError(e.replica, e.code, f"{e.message}; migrating the request failed: "
+                                                          f"{why}") from None
+                self.metrics.migrations.labels(self.tier.name, "migrated").inc()
+                new = attempts[-1]
+                log.warning("request %s: %s failed after %d tokens (%s); continued on %s", request.request_id,
+                            e.replica, len(streamed), e.message, new.replica)
+                trace.get_current_span().add_event("kvmesh.route.migrated", {
+                    "kvmesh.route.from_replica": current.replica, "kvmesh.route.to_replica": new.replica,
+                    "kvmesh.route.resumed_tokens": len(streamed), "kvmesh.route.reason": e.message})
+                if new.first.HasField("delta"):
+                    streamed.extend(new.first.delta.token_ids)
+                yield new.first
 
     async def model_info(self, timeout: float) -> ModelInfo | None:
         """The tier's model (from the first replica that answers; cached once known)."""
@@ -185,6 +308,9 @@ def _status_of(e: BaseException) -> grpc.StatusCode:
 
 
 def _exhausted(tier: str, failures: list[BackendError]) -> BackendError:
+    if not failures:
+        return BackendError(f"tier {tier}", grpc.StatusCode.UNAVAILABLE,
+                            "no other replica can take the request")
     detail = "; ".join(f"{e.replica}: {e.code.name} {e.message}" for e in failures)
     code = (grpc.StatusCode.UNAVAILABLE
             if all(e.code is grpc.StatusCode.UNAVAILABLE for e in failures)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,18 @@ class CascadeKnobs:
     signal: str = "mean_logprob"
     threshold: float = -0.5
     difficulty_prompt_tokens: int = 0
+
+
+def _pin_seed(sampling: engine_pb2.SamplingParams) -> None:
+    """Gives a sampled request without a seed a random one, so that a replica continuing it
+    after a failure (pool's NOTE on migration) draws what the failed one would have. Greedy
+    requests are left alone: a seed would make the engine sample (temperature 1)."""
+    if sampling.HasField("temperature"):
+        sampled = sampling.temperature > 0
+    else:
+        sampled = sampling.HasField("top_k") or sampling.HasField("top_p")
+    if sampled and not sampling.HasField("seed"):
+        sampling.seed = secrets.randbits(63)
 
 
 def token_scores(messages: Sequence[engine_pb2.GenerateResponse]) -> list[cascade.TokenScore]:
@@ -107,6 +120,7 @@ class Router:
                                   "or text")
         if not request.request_id:
             request.request_id = new_request_id()
+        _pin_seed(request.sampling)
         trace.get_current_span().set_attributes(
             {"kvmesh.route.model": name, "kvmesh.route.tenant": req.tenant})
         if name in self.pools:
@@ -123,9 +137,12 @@ class Router:
             raise NotFound(f"model {req.model!r} is not served here; use one of "
                            f"{', '.join(self.topology.model_names)} (or leave it empty for "
                            f"{self.topology.default_model})")
+        seed = request.sampling.seed if request.sampling.HasField("seed") else None
         try:
             async with contextlib.aclosing(stream) as responses:
                 async for response in responses:
+                    if seed is not None and response.HasField("route"):
+                        response.route.seed = seed
                     yield response
         except BackendError as e:
             raise e.to_error() from None

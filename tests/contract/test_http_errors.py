@@ -149,10 +149,30 @@ def test_a_router_unavailable_before_the_first_message_is_retried(client, gatewa
         text = client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
     assert text == "".join(WORDS)
     assert len(gateway.state.calls) == 2 and gateway.state.fail_times == 0
-    gateway.state.fail, gateway.state.fail_times = (grpc.StatusCode.UNAVAILABLE, "router down", 0), 2
-    with pytest.raises(openai.APIStatusError) as e:  # twice in a row: the client is told to retry
+    gateway.state.fail, gateway.state.fail_times = (grpc.StatusCode.UNAVAILABLE, "router down", 0), 3
+    with pytest.raises(openai.APIStatusError) as e:  # three times in a row: the client is told to retry
         client.chat.completions.create(model=MODEL, messages=USER)
-    assert e.value.status_code == 503 and len(gateway.state.calls) == 4
+    assert e.value.status_code == 503 and len(gateway.state.calls) == 5
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_router_dying_mid_stream_is_resumed_after_what_the_client_has(client, gateway, stream):
+    """The router's stream breaks UNAVAILABLE after two tokens (the router died; its supervisor
+    restarts it): the gateway calls it again resuming after those two tokens with the seed the
+    router reported, and the client gets one answer, whole, nothing twice."""
+    gateway.state.fail, gateway.state.fail_times = (grpc.StatusCode.UNAVAILABLE, "router died", 2), 1
+    kwargs = dict(model=MODEL, messages=USER, temperature=0.7, logprobs=True)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        response = client.chat.completions.create(**kwargs)
+        text, usage = response.choices[0].message.content, response.usage
+    assert text == "".join(WORDS) and usage.completion_tokens == len(WORDS)
+    first, second = (c.request.request for c in gateway.state.calls)
+    assert list(second.resume_token_ids.ids) == [2000, 2001] and not first.HasField("resume_token_ids")
+    assert second.sampling.temperature == pytest.approx(0.7) and second.sampling.logprobs == first.sampling.logprobs
 
 
 def test_error_after_streaming_began_is_an_sse_error_event(gateway, client):

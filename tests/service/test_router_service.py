@@ -159,15 +159,105 @@ async def test_a_draining_replica_is_avoided():
             await channel.close()
 
 
-async def test_an_error_after_the_first_token_goes_to_the_caller():
+# --- migration (pool's NOTE on migration) ----------------------------------------------------
+
+async def test_a_replica_failing_mid_stream_hands_the_request_to_another_that_resumes_it():
+    telemetry = Telemetry.create("kvmesh-router")
     async with fake_engines(Script(fail_after=1), Script()) as (flaky, e1):
-        async with serving_router(router_config(tiers=tiers(flaky, e1), policy="round_robin")) as r:
+        cfg = router_config(tiers=tiers(flaky, e1), policy="round_robin")
+        async with serving_router(cfg, telemetry) as r:
+            msgs = await r.collect(route_request(PROMPT, logprobs=1, prompt_logprobs=1))
+            assert r.servicer.router.pools["t"].state.is_down(flaky.address)
+    # one stream, no gap, nothing twice: e0 sent token 101 and died, e1 resumed after it
+    assert text_of(msgs) == " e0101 e1102 e1103"
+    assert [t for m in msgs for t in m.response.delta.token_ids] == [101, 102, 103]
+    assert [lp.chosen.token_id for m in msgs for lp in m.response.delta.logprobs] == [101, 102, 103]
+    assert replica_of(msgs) == flaky.address and sum(m.HasField("route") for m in msgs) == 1
+    resumed = e1.generate_calls[0]
+    assert list(resumed.resume_token_ids.ids) == [101] and list(resumed.token_ids.ids) == PROMPT
+    assert resumed.request_id == flaky.generate_calls[0].request_id
+    assert not resumed.sampling.HasField("prompt_logprobs") and resumed.sampling.logprobs == 1
+    assert msgs[-1].response.final.usage.completion_tokens == 3
+    assert metric(telemetry, "kvmesh_router_migrations_total", tier="t", outcome="migrated") == 1
+    assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=flaky.address,
+                  policy="round_robin", code="UNAVAILABLE") == 1
+    assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=e1.address,
+                  policy="migration", code="OK") == 1
+
+
+# kv_aware placement by cached prefix makes the order of replicas e0, e1, e2 for these tests
+IN_ORDER = (dict(cached_tokens=150), dict(cached_tokens=100), dict(cached_tokens=50))
+
+
+async def test_a_request_moves_again_when_its_new_replica_fails_too():
+    async with fake_engines(Script(fail_after=1, **IN_ORDER[0]), Script(fail_after=2, **IN_ORDER[1]),
+                            Script(**IN_ORDER[2])) as (e0, e1, e2):
+        async with serving_router(router_config(tiers=tiers(e0, e1, e2))) as r:
+            msgs = await r.collect(route_request(PROMPT))
+    assert text_of(msgs) == " e0101 e1102 e2103"
+    assert [list(c.resume_token_ids.ids) for c in e1.generate_calls + e2.generate_calls] == [[101], [101, 102]]
+
+
+async def test_a_request_that_arrives_resumed_keeps_its_resumed_tokens_when_it_moves():
+    async with fake_engines(Script(fail_after=2, **IN_ORDER[0]), Script(**IN_ORDER[1])) as (e0, e1):
+        async with serving_router(router_config(tiers=tiers(e0, e1))) as r:
+            req = route_request(PROMPT)
+            req.request.resume_token_ids.ids[:] = [101]  # a gateway resuming across a router restart
+            msgs = await r.collect(req)
+    assert text_of(msgs) == " e0102 e1103"
+    assert list(e1.generate_calls[0].resume_token_ids.ids) == [101, 102]
+
+
+async def test_a_mid_stream_failure_reaches_the_caller_when_no_replica_can_continue():
+    async with fake_engines(Script(fail_after=1, **IN_ORDER[0]), Script(fail_after=2, **IN_ORDER[1])) as (e0, e1):
+        async with serving_router(router_config(tiers=tiers(e0, e1))) as r:
             got = []
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for m in r.stub.Generate(route_request(), timeout=10):
+                async for m in r.stub.Generate(route_request(PROMPT), timeout=10):
                     got.append(m)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "crashed" in err.value.details()
-    assert text_of(got) == " e0101" and not e1.generate_calls
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "e1 crashed; migrating the request failed: no healthy replica in tier t" in err.value.details()
+    assert text_of(got) == " e0101 e1102"
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+async def test_the_migration_limit_bounds_how_often_a_request_moves(limit):
+    async with fake_engines(Script(fail_after=1, **IN_ORDER[0]), Script(fail_after=2, **IN_ORDER[1]),
+                            Script(**IN_ORDER[2])) as (e0, e1, e2):
+        cfg = router_config(tiers=tiers(e0, e1, e2), migration_limit=limit)
+        async with serving_router(cfg) as r:
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for m in r.stub.Generate(route_request(PROMPT), timeout=10):
+                    got.append(m)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "--migration-limit" in err.value.details()
+    assert len(got) == 1 + limit and not e2.generate_calls
+
+
+async def test_a_stream_that_stalls_is_treated_as_a_failed_replica():
+    """A replica that holds the stream open and sends nothing (hung, not dead): after the stall
+    timeout its call is cancelled and the request resumes elsewhere."""
+    async with fake_engines(Script(hold_after=1), Script()) as (hung, e1):
+        cfg = router_config(tiers=tiers(hung, e1), policy="round_robin", stall_timeout_s=0.3)
+        async with serving_router(cfg) as r:
+            msgs = await r.collect(route_request(PROMPT))
+            await asyncio.wait_for(hung.cancelled_event.wait(), 10)
+    assert text_of(msgs) == " e0101 e1102 e1103"
+    assert hung.cancelled == [hung.generate_calls[0].request_id]
+
+
+@pytest.mark.parametrize("sampling, pinned", [
+    (dict(temperature=0.8), True), (dict(top_p=0.9), True), (dict(temperature=0.8, seed=5), False),
+    (dict(), False), (dict(temperature=0.0, top_k=5), False)])
+async def test_sampled_requests_get_a_seed_so_a_continuation_draws_the_same(sampling, pinned):
+    async with fake_engines(Script()) as (e0,):
+        async with serving_router(router_config(tiers=tiers(e0))) as r:
+            await r.collect(route_request(PROMPT, **sampling))
+    sent = e0.generate_calls[0].sampling
+    if pinned:
+        assert sent.HasField("seed")
+    else:
+        assert sent.HasField("seed") == ("seed" in sampling) and sent.seed == sampling.get("seed", 0)
 
 
 async def test_no_healthy_replica_is_unavailable():

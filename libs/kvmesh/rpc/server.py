@@ -106,7 +106,11 @@ class RpcServer:
             interceptors=[self._interceptor],
             options=[("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                      ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-                     ("grpc.so_reuseport", 0)])  # a busy port is an error, never shared
+                     ("grpc.so_reuseport", 0),  # a busy port is an error, never shared
+                     # Clients ping busy connections every few seconds to detect a hung server
+                     # (the router's --keepalive-s): accept that, never answer it with GOAWAY.
+                     ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                     ("grpc.http2.max_ping_strikes", 0)])
         self._register(server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

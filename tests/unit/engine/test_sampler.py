@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kvmesh.services.engine.sampler import Sampler, apply_top_k_top_p, make_generator
+from kvmesh.services.engine.sampler import Draws, Sampler, apply_top_k_top_p, make_draws, position_seed
 from kvmesh.services.engine.sampling import SamplingParams
 
 NEG_INF = float("-inf")
@@ -21,15 +21,22 @@ def one_torch_thread():
 
 
 class Request:
-    """Params plus the generator a request keeps for its lifetime (as EngineCore does)."""
+    """Params plus the Draws a request keeps for its lifetime and its output position (as
+    EngineCore does: one draw per generated token)."""
 
     def __init__(self, **params):
         self.params = SamplingParams(**params)
-        self.generator = make_generator(self.params)
+        self.draws = make_draws(self.params)
+        self.position = 0
+
+    def generator(self):
+        generator = self.draws.at(self.position) if self.draws is not None else None
+        self.position += 1
+        return generator
 
 
 def sample(sampler, logits, requests):
-    return sampler(logits, [r.params for r in requests], [r.generator for r in requests])
+    return sampler(logits, [r.params for r in requests], [r.generator() for r in requests])
 
 
 def random_logits(rows, seed=0):
@@ -39,7 +46,7 @@ def random_logits(rows, seed=0):
 def test_greedy_is_argmax_for_every_row():
     logits = random_logits(8)
     requests = [Request() for _ in range(8)]
-    assert all(r.generator is None for r in requests)
+    assert all(r.draws is None for r in requests)
     out = sample(Sampler(), logits, requests)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 8
@@ -128,6 +135,25 @@ def test_the_stream_belongs_to_the_request_not_the_sampler():
     rest = [sample(Sampler(), logits, [request]).token_ids[0] for _ in range(5)]
     fresh = Request(temperature=1.0, seed=3)
     assert [sample(Sampler(), logits, [fresh]).token_ids[0] for _ in range(10)] == first + rest
+
+
+def test_a_draw_depends_on_the_seed_and_the_position_only():
+    """What request migration relies on: a request continued elsewhere from output position 12,
+    with the same seed, draws what the uninterrupted one draws there."""
+    logits = random_logits(1, seed=6)
+    whole = Request(temperature=1.0, seed=99)
+    tokens = [sample(Sampler(), logits, [whole]).token_ids[0] for _ in range(20)]
+    resumed = Request(temperature=1.0, seed=99)
+    resumed.position = 12
+    assert [sample(Sampler(), logits, [resumed]).token_ids[0] for _ in range(8)] == tokens[12:]
+    assert len(set(tokens)) > 1
+
+
+def test_position_seeds_do_not_collide_for_neighbouring_seeds_and_positions():
+    seeds = {position_seed(seed, pos) for seed in range(64) for pos in range(64)}
+    assert len(seeds) == 64 * 64
+    assert all(0 <= s < 2 ** 64 for s in seeds)
+    assert Draws(5).at(3).initial_seed() == position_seed(5, 3)
 
 
 def test_unseeded_sampling_works():

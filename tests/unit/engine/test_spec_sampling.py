@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_utils import FakeDraftService, load_tiny, make_core, make_tiny_checkpoint, run_all
-from kvmesh.services.engine.sampler import sampling_probs
+from kvmesh.services.engine.sampler import Draws, sampling_probs
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import verify, verify_batch
 
@@ -157,13 +157,13 @@ def test_a_seed_reproduces_the_output_under_the_same_drafts(tiny, exact):
 def test_verify_rule_on_a_known_distribution():
     """Rows by hand: p = (0.5, 0.3, 0.2), then (0.1, 0.1, 0.8). A draft of token 1 is accepted
     with probability 0.3; on rejection the token is 0 or 2 in proportion 5:2. N sequences are
-    verified in one batch (one generator), greedy ones mixed in."""
+    verified in one batch (each with its own seed), greedy ones mixed in."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))  # [k + 1 = 2, vocab = 3]
     sampled, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
-    gen = torch.Generator().manual_seed(0)
     n = 20000
     params = [sampled if i % 10 else greedy for i in range(n)]
-    verdicts = verify_batch([logits] * n, [(1,)] * n, params, [gen if p is sampled else None for p in params])
+    draws = [Draws(i) if p is sampled else None for i, p in enumerate(params)]
+    verdicts = verify_batch([logits] * n, [(1,)] * n, params, draws, [0] * n)
     first = Counter(v.token_ids[0] for v, p in zip(verdicts, params) if p is sampled)
     m = sum(first.values())
     assert first[1] / m == pytest.approx(0.3, abs=0.015)
@@ -176,5 +176,21 @@ def test_verify_rule_on_a_known_distribution():
     assert verify(logits, [0], greedy, None).token_ids == [0, 2]
     # a draft outside top-k has p = 0: always rejected, the token comes from p itself
     topk = SamplingParams(temperature=1.0, top_k=2)
-    outs = verify_batch([logits] * 2000, [(2,)] * 2000, [topk] * 2000, [gen] * 2000)
+    outs = verify_batch([logits] * 2000, [(2,)] * 2000, [topk] * 2000, [Draws(n + i) for i in range(2000)], [0] * 2000)
     assert {v.token_ids[0] for v in outs} == {0, 1} and all(v.num_accepted == 0 for v in outs)
+
+
+def test_a_seed_gives_the_same_output_with_and_without_speculation(tiny, exact):
+    """Verification samples output position n with the generator plain decoding uses at n (see
+    speculation's NOTE), so drafts change the speed, not the tokens."""
+    prompts = {f"s{i}": PROMPT for i in range(200)}
+    params = {f"s{i}": _params(seed=500 + i, max_tokens=12) for i in range(200)}
+    plain = run_all(_core(tiny), prompts, params)
+    fake = FakeDraftService(_drafts_sometimes_right(exact[0]))
+    try:
+        core = _core(tiny, draft_address=fake.address, **SPEC)
+        spec = run_all(core, prompts, params)
+    finally:
+        fake.stop()
+    assert core.spec_totals.accepted_tokens > 0 and core.spec_totals.draft_tokens > core.spec_totals.accepted_tokens
+    assert {r: v["tokens"] for r, v in spec.items()} == {r: v["tokens"] for r, v in plain.items()}
