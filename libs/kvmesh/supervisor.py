@@ -10,7 +10,10 @@ and one line on stdout, ``ready`` or ``failed: <why>``, which `up` waits for. Fr
 awaits every child's exit. A service that exits (a crash, the OOM killer, a stray SIGKILL) is
 started again on the same port after a delay (`Backoff`: 1 s doubling to 30 s, back to 1 s
 once a run lasted 60 s), and its exit, the tail of its log and the restart go to the
-supervisor's log and the state, which `kvmesh status` shows. SIGTERM (from `down`) stops the
+supervisor's log and the state, which `kvmesh status` shows. A service that is up but hung (a
+stopped process, a deadlock: its health check goes unanswered `HangWatch.failures` times in a
+row, `interval_s` apart) is killed with SIGKILL and so restarted the same way; its last exit
+says it hung. SIGTERM (from `down`) stops the
 services in reverse start order (each gets SIGTERM, a drain, then SIGKILL) and then the
 supervisor.
 
@@ -78,6 +81,18 @@ def log_tail(path: str, lines: int = 5, max_bytes: int = 8192) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+@dataclass(frozen=True)
+class HangWatch:
+    """How a running service is checked for a hang: a health Check every `interval_s` with a
+    `timeout_s` deadline; `failures` unanswered in a row (late or unreachable while the process
+    lives) mean hung. Health is answered by the service's event loop, never behind its work (an
+    engine's steps run on their own thread), so a busy service still answers."""
+
+    interval_s: float = 5.0
+    timeout_s: float = 5.0
+    failures: int = 3
+
+
 @dataclass
 class _Service:
     spec: dict  # a ServiceSpec as JSON (name, module, args, port, env, http_port)
@@ -87,6 +102,10 @@ class _Service:
     restarts: int = 0
     last_exit: str = ""
     backoff: Backoff = field(default_factory=Backoff)
+    hung: str = ""
+    """Why the hang watch killed the running process ("" if it did not)."""
+    up: bool = False
+    """The running process reported SERVING since it started (only then is it watched for hangs)."""
 
     @property
     def address(self) -> str:
@@ -99,13 +118,14 @@ class Supervisor:
 
     def __init__(self, specs: list[dict], data: Path, state: Callable[[list[dict]], None],
                  ready_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
-                 backoff: Backoff = Backoff()) -> None:
+                 backoff: Backoff = Backoff(), hang: HangWatch | None = HangWatch()) -> None:
         logs = data / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.services = [_Service(s, str(logs / f"{s['name']}.log"), backoff=replace(backoff)) for s in specs]
         self.save_state = state
         self.ready_timeout_s = ready_timeout_s
         self.clock = clock
+        self.hang = hang
         self.stopping = asyncio.Event()
 
     def state(self) -> list[dict]:
@@ -147,6 +167,7 @@ class Supervisor:
         for s in self.services:
             await self._spawn(s)
             await self._healthy(s)
+            s.up = True
             log.info("%s started (pid %d, %s)", s.spec["name"], s.proc.pid, s.address)
         self.save_state(self.state())
 
@@ -154,10 +175,12 @@ class Supervisor:
         while not self.stopping.is_set():
             assert s.proc is not None
             code = await s.proc.wait()
+            s.up = False
             if self.stopping.is_set():
                 return
             ran = self.clock() - s.started
-            s.last_exit = f"{exit_reason(code)} after {ran:.0f}s"
+            s.last_exit = f"{exit_reason(code)} after {ran:.0f}s{s.hung}"
+            s.hung = ""
             delay = s.backoff.next_delay(ran)
             log.warning("%s (pid %d) %s; restarting in %.0fs. Its log ends:\n%s", s.spec["name"], s.proc.pid,
                         s.last_exit, delay, log_tail(s.log_path))
@@ -171,6 +194,7 @@ class Supervisor:
             await self._spawn(s)
             try:
                 await self._healthy(s)
+                s.up = True
                 log.info("%s restarted (pid %d, restart %d)", s.spec["name"], s.proc.pid, s.restarts)
             except RuntimeError as err:
                 log.warning("%s", err)  # its exit is handled by the next turn of this loop
@@ -178,9 +202,41 @@ class Supervisor:
                     s.proc.kill()
             self.save_state(self.state())
 
+    async def _watch_hangs(self, s: _Service) -> None:
+        """Kills `s` when it stops answering health checks (see HangWatch); `_watch` restarts it."""
+        hang = self.hang
+        missed = 0
+        async with grpc.aio.insecure_channel(s.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while not self.stopping.is_set():
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), timeout=hang.interval_s)
+                    return
+                except asyncio.TimeoutError:
+                    pass
+                proc = s.proc
+                if proc is None or proc.returncode is not None or not s.up:
+                    missed = 0
+                    continue
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=hang.timeout_s)
+                    missed = 0
+                except grpc.aio.AioRpcError as err:
+                    missed += 1
+                    if missed < hang.failures or proc is not s.proc or proc.returncode is not None:
+                        continue
+                    s.hung = (f" (hung: {missed} health checks unanswered, {err.code().name}; killed by the "
+                              "supervisor)")
+                    log.warning("%s (pid %d) did not answer %d health checks in a row; killing it",
+                                s.spec["name"], proc.pid, missed)
+                    proc.kill()
+                    missed = 0
+
     async def run(self) -> None:
         """Watches every service until `stopping` is set, then stops them all."""
         watchers = [asyncio.ensure_future(self._watch(s)) for s in self.services]
+        if self.hang is not None:
+            watchers += [asyncio.ensure_future(self._watch_hangs(s)) for s in self.services]
         await self.stopping.wait()
         for w in watchers:
             w.cancel()

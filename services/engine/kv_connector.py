@@ -82,6 +82,8 @@ class KvConnectorConfig:
     chunk_tokens: int = 256
     codec: codec.CodecSpec = field(default_factory=codec.CodecSpec)
     timeout_s: float = 5.0
+    retry_s: float = 2.0
+    """After the service failed to answer, how long requests skip it (KvcacheClient's NOTE)."""
     max_export_queue: int = 64
     hot_bytes: int = 512 << 20
     """Byte budget of the engine's own LRU of decoded document chunks (services/engine/hot_chunks.py);
@@ -153,7 +155,7 @@ class KvConnector:
         self.dtype = dtype
         self.block_size = block_size
         self.rotary = rotary  # stored keys are position-free (see kvmesh.kv.rope)
-        self.client = client or KvcacheClient(config.address, config.timeout_s)
+        self.client = client or KvcacheClient(config.address, config.timeout_s, config.retry_s)
         self.stats = ConnectorStats()
         # Two single-threaded decoders: a fetch decodes two chunks at a time (a prompt's TTFT
         # waits on it), each without an OpenMP team of its own.

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -67,13 +68,29 @@ def describe(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class KvcacheClient:
     """Asyncio client of the KV service for one engine; the channel is made lazily on the loop
-    that serves (every call's deadline is `timeout_s`, capped by the serving call's)."""
+    that serves (every call's deadline is `timeout_s`, capped by the serving call's).
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    NOTE (back-off): a call the service does not answer (UNAVAILABLE, or late: a hung or
+    overloaded service) marks it down for `retry_s`. Meanwhile the request-path calls (lookup,
+    get, the catalog's) fail at once instead of each waiting out its deadline, so a hung KV
+    service costs the requests already waiting on it at most `timeout_s` of TTFT and the next
+    ones nothing: they compute their prompt. The first call after `retry_s` tries again."""
+
+    def __init__(self, address: str, timeout_s: float, retry_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._down_until = float("-inf")
+        self._down_why = ""
+        self.skipped_calls = 0
+        """Calls not made because the service was marked down."""
         self._channel: grpc.aio.Channel | None = None
 
     def _open(self) -> grpc.aio.Channel:
@@ -88,7 +105,18 @@ class KvcacheClient:
         return kvcache_pb2_grpc.KvCatalogServiceStub(self._open())
 
     def _unavailable(self, err: BaseException) -> Unavailable:
+        if isinstance(err, asyncio.TimeoutError) or (isinstance(err, grpc.RpcError) and hasattr(err, "code")
+                                                     and err.code() in _DOWN):
+            self._down_until, self._down_why = self._clock() + self.retry_s, describe(err)
         return Unavailable(f"KV-cache service {self.address}: {describe(err)}")
+
+    def _check_up(self) -> None:
+        """Unavailable at once while the service is marked down (see the NOTE on back-off)."""
+        left = self._down_until - self._clock()
+        if left > 0:
+            self.skipped_calls += 1
+            raise Unavailable(f"KV-cache service {self.address}: not called for {left:.1f}s more after it "
+                              f"failed ({self._down_why}; --kv-retry-s)")
 
     async def ping(self) -> None:
         try:
@@ -97,6 +125,7 @@ class KvcacheClient:
             raise self._unavailable(err) from err
 
     async def lookup(self, keys: list[bytes], chunk_tokens: int = 0) -> Lookup:
+        self._check_up()
         try:
             found = await self._stub().Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk_tokens),
                                               timeout=self.timeout_s)
@@ -107,6 +136,7 @@ class KvcacheClient:
     async def get(self, keys: list[bytes]) -> AsyncIterator[bytes | None]:
         """Each key's blob in order, None where the service lacks it or it arrived damaged
         (length or checksum). Stops early when the consumer does (the stream is cancelled)."""
+        self._check_up()
         call = self._stub().Get(pb.GetRequest(keys=keys), timeout=self.timeout_s)
         header, parts, got = None, [], 0
         try:
@@ -137,6 +167,7 @@ class KvcacheClient:
             raise self._unavailable(err) from err
 
     async def get_document(self, namespace: KvNamespace, document_id: str) -> CatalogEntry:
+        self._check_up()
         try:
             resp = await self._catalog().GetDocument(
                 pb.GetDocumentRequest(namespace=namespace_to_proto(namespace), document_id=document_id),
@@ -149,6 +180,7 @@ class KvcacheClient:
         return CatalogEntry(resp.document.document_id, list(resp.document.token_ids))
 
     async def search_documents(self, namespace: KvNamespace, query: str, k: int) -> list[str]:
+        self._check_up()
         try:
             resp = await self._catalog().Search(pb.SearchRequest(text=query, namespace=namespace_to_proto(namespace),
                                                                  kind=pb.INDEX_KIND_DOCUMENT, k=k),

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher import alive, free_port
-from kvmesh.supervisor import Backoff, Supervisor, exit_reason
+from kvmesh.supervisor import Backoff, HangWatch, Supervisor, exit_reason
 
 
 def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
@@ -68,6 +68,37 @@ async def test_a_killed_service_is_restarted_on_its_port_and_the_state_says_why(
         await asyncio.wait_for(runner, timeout=60)
     assert not alive(states[-1][0]["pid"])  # stopping the supervisor stopped the service
     assert sup.services[0].restarts == 1  # and did not restart it
+
+
+async def test_a_hung_service_is_killed_and_restarted_and_the_state_says_it_hung(tmp_path):
+    """SIGSTOP: the process lives, its port accepts connections, nothing answers. Two health
+    checks unanswered in a row and the supervisor kills it; the usual restart follows."""
+    port = free_port()
+    states: list[list[dict]] = []
+    restarted = asyncio.Event()
+
+    def save(state: list[dict]) -> None:
+        states.append(state)
+        if state[0]["restarts"] == 1 and "hung" in state[0]["last_exit"]:
+            restarted.set()
+
+    sup = Supervisor([_router(port)], tmp_path, save, ready_timeout_s=60, backoff=Backoff(base_s=0.0),
+                     hang=HangWatch(interval_s=0.2, timeout_s=0.5, failures=2))
+    await sup.start_all()
+    first = states[-1][0]
+    runner = asyncio.ensure_future(sup.run())
+    try:
+        os.kill(first["pid"], signal.SIGSTOP)
+        await asyncio.wait_for(restarted.wait(), timeout=60)
+        now = states[-1][0]
+        assert now["pid"] != first["pid"] and not alive(first["pid"])
+        assert now["last_exit"].startswith("killed by SIGKILL after")
+        assert "(hung: 2 health checks unanswered, DEADLINE_EXCEEDED; killed by the supervisor)" in now["last_exit"]
+        assert await _serving(f"127.0.0.1:{port}")
+    finally:
+        sup.stopping.set()
+        await asyncio.wait_for(runner, timeout=60)
+    assert sup.services[0].restarts == 1
 
 
 async def test_a_service_that_cannot_start_fails_the_start_with_its_log(tmp_path):
