@@ -28,6 +28,9 @@ def build_backend(replica: Replica, cfg: RouterConfig) -> Backend:
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
             ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            # grpc 1.85 waits for a ping's answer this long, whatever keepalive_timeout says
+            # (its default is 60 s): measured, a SIGSTOPped server is dropped after 60 s without it
+            ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
             ("grpc.http2.max_pings_without_data", 0)])
         return EngineBackend(replica, channel)
     return OpenAIBackend(replica, httpx.AsyncClient(), cfg.openai_api_key)
