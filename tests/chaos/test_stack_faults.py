@@ -3,7 +3,8 @@ under the supervisor): 16 greedy chat streams over HTTP while the router is kill
 bound the README's reliability table states: 0 requests fail and every answer equals the
 undisturbed stack's. The supervisor restarts a killed router at once and kills a hung one
 (its health checks go unanswered) before restarting it; the gateway resumes each broken stream
-after what its client already has (services/gateway/upstream.py, run_choice)."""
+after what its client already has (services/gateway/upstream.py, run_choice). The gateway
+itself holds the clients' connections: those break with it (the last test states that bound)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -36,6 +38,19 @@ def _state(env: dict) -> dict[str, dict]:
     return {p["name"]: p for p in json.loads((Path(env["KVMESH_DATA_DIR"]) / "stack.json").read_text())}
 
 
+def _restarted(env: dict, name: str, before: dict, timeout_s: float = 120.0) -> dict:
+    """The service's state once the supervisor has recorded its restart. Clients can reach the
+    new process before the supervisor's own health check passes and it writes the state, and
+    another process writes that file: polling is all there is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = _state(env)[name]
+        if now["restarts"] > before["restarts"] and now["pid"] != before["pid"]:
+            return now
+        assert time.monotonic() < deadline, f"{name}: no restart recorded within {timeout_s:.0f}s: {now}"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     data = tmp_path_factory.mktemp("stack")
@@ -54,12 +69,12 @@ def stack(tmp_path_factory):
         _kvmesh("down", env=env)
 
 
-async def _chat_all(url: str, fault=None):
+async def _chat_all(url: str, fault=None, retries: int = 0):
     """Every topic's chat at once; `fault()` is called once, when every stream has at least 3
     content chunks. Returns per stream (text, completion tokens) or the exception it raised."""
     got = [0] * STREAMS
     fired = []
-    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600) as client:
+    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=retries, timeout=600) as client:
         async def one(i: int):
             stream = await client.chat.completions.create(
                 model="smollm2-135m-instruct", messages=[{"role": "user", "content": f"Tell me about {TOPICS[i]}."}],
@@ -101,7 +116,26 @@ async def test_the_router_killed_or_hung_under_16_streams_fails_no_request(stack
     before = _state(stack)["router"]
     results = await _chat_all(_state(stack)["gateway"]["url"], lambda: os.kill(before["pid"], getattr(signal, fault)))
     _assert_same(results, reference)
-    after = _state(stack)["router"]
-    assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
+    after = _restarted(stack, "router", before)
+    assert after["restarts"] == before["restarts"] + 1
     assert after["last_exit"].startswith("killed by SIGKILL")
+    assert ("hung:" in after["last_exit"]) == (fault == "SIGSTOP")
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+async def test_the_gateway_killed_or_hung_fails_only_the_requests_it_held(stack, reference, fault):
+    """The one failure a client does see, with a single gateway: the HTTP connections it holds
+    break (SIGKILL at once; SIGSTOP once the supervisor finds it hung and kills it). The
+    supervisor restarts it on its port, and the same requests retried get the same answers."""
+    before = _state(stack)["gateway"]
+    results = await _chat_all(before["url"], lambda: os.kill(before["pid"], getattr(signal, fault)))
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed and all(isinstance(e, openai.APIError) for e in failed)
+    # what the gateway had already written to a socket still arrives whole
+    assert all(r == ref for r, ref in zip(results, reference) if not isinstance(r, BaseException))
+    print(f"gateway {fault}: {len(failed)} of {STREAMS} streams in flight broke")
+    retried = await _chat_all(before["url"], retries=8)  # the client's own back-off covers the restart
+    _assert_same(retried, reference)
+    after = _restarted(stack, "gateway", before)
+    assert after["restarts"] == before["restarts"] + 1
     assert ("hung:" in after["last_exit"]) == (fault == "SIGSTOP")
