@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "spec": "kvmesh.loadtest.spec_bench",
     "blend": "kvmesh.loadtest.blend_bench",
     "quality": "kvmesh.loadtest.quality_bench",
+    "loadgen": "kvmesh.loadtest.loadgen_bench",
 }
 
 BUNDLED_ONLY: dict[str, str] = {
@@ -32,6 +33,12 @@ BUNDLED_ONLY: dict[str, str] = {
 }
 """Benchmarks that run on the bundled model only, and why."""
 
+NO_MODEL: dict[str, str] = {
+    "loadgen": "it measures the load harness itself against a stub server that answers at once; "
+               "point `kvmesh loadtest --url` at a stack serving your model instead",
+}
+"""Benchmarks that load no model at all, and why."""
+
 
 def run_bench(name: str, *, quick: bool, json_path: str | None = None, model: str = BUNDLED) -> list[dict]:
     """Runs benchmark `name` on `model` and returns its rows, each with a `model` param (the module
@@ -41,6 +48,8 @@ def run_bench(name: str, *, quick: bool, json_path: str | None = None, model: st
         raise SystemExit(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHES))}")
     if model != BUNDLED and name in BUNDLED_ONLY:
         raise BenchRefused(f"kvmesh bench {name} runs on the bundled model only: {BUNDLED_ONLY[name]}")
+    if model != BUNDLED and name in NO_MODEL:
+        raise BenchRefused(f"kvmesh bench {name} takes no --model: {NO_MODEL[name]}")
     module = importlib.import_module(BENCHES[name])
     run: Callable[..., list[dict]] = module.run
     kwargs: dict = {"quick": quick}

@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     docs.set_defaults(fn=_cmd_docs)
 
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality | loadgen")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
     bench.add_argument("--model", default="bundled",
                        help="the model to measure: 'bundled' (SmolLM2-135M-Instruct), a .gguf file or a Hugging "
@@ -315,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "a sliding window) is refused with the reason")
     bench.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     bench.set_defaults(fn=_cmd_bench)
+
+    from kvmesh.loadtest.harness import cli as loadtest_cli
+
+    loadtest_cli.add_parser(sub)
+    sub.choices["loadtest"].set_defaults(fn=loadtest_cli.run)
     return p
 
 

@@ -73,6 +73,8 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    ignore_eos: bool | None = None
+    """kvmesh (and vLLM, llama.cpp) extension: keep generating past end-of-sequence, up to max_tokens."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -116,15 +118,36 @@ class ChatCompletionBody(_Common):
 Body = Union[CompletionBody, ChatCompletionBody]
 
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects in a body (OpenAI's bodies need 5, at
+messages[i].content[j]); deeper ones are refused before any recursive walk meets them."""
+MAX_NUMBER_DIGITS = 1000
+"""Longest integer literal in a body, far past any field's range (Python itself refuses to
+convert one of more than 4300 digits, with a ValueError)."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_DIGITS:
+        raise ValueError(f"a number of {len(text.lstrip('-'))} digits; at most {MAX_NUMBER_DIGITS}")
+    return int(text)
+
+
 def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
     """Decode and shape-check a JSON body; 400 naming the parameter on any problem."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_int=_parse_int)
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise invalid(f"the request body nests arrays or objects too deeply to decode; at most "
+                      f"{MAX_JSON_DEPTH} levels", None, "invalid_json") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
         raise invalid(f"the request body is not valid JSON ({e}); send a JSON object",
                       None, "invalid_json") from e
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object", None, "invalid_json")
+    deep = too_deep(data, MAX_JSON_DEPTH)
+    if deep is not None:
+        raise invalid(f"invalid value for '{deep}': nested more than {MAX_JSON_DEPTH} levels deep",
+                      deep, "invalid_json")
     bad = lone_surrogate(data)
     if bad is not None:
         param, index = bad
@@ -136,6 +159,24 @@ def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
         return schema.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from e
+
+
+def too_deep(value: Any, limit: int) -> str | None:
+    """The parameter path of the first array or object in a decoded JSON value nested more than
+    `limit` levels deep (the body itself is level 1), or None. Iterative, so that it never runs out
+    of stack itself."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 1)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > limit:
+            return path or "body"
+        if isinstance(item, dict):
+            children = [(v, f"{path}.{k}" if path else str(k)) for k, v in item.items()
+                        if isinstance(v, (dict, list))]
+        else:
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(item) if isinstance(v, (dict, list))]
+        stack.extend((v, where, depth + 1) for v, where in reversed(children))
+    return None
 
 
 def lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
@@ -250,7 +291,7 @@ def completion_request(body: CompletionBody) -> GenerationRequest:
         user=body.user or "", lossy=_lossy(body),
         sampling=Sampling(max_tokens=body.max_tokens, temperature=body.temperature,
                           top_p=body.top_p, seed=body.seed, stop=_stop(body.stop),
-                          logprobs=body.logprobs))
+                          logprobs=body.logprobs, ignore_eos=bool(body.ignore_eos)))
 
 
 def _message_text(i: int, m: ChatMessage) -> str:
@@ -294,7 +335,8 @@ def chat_request(body: ChatCompletionBody) -> GenerationRequest:
         kind="chat", model=body.model, messages=messages, n=1 if body.n is None else body.n,
         user=body.user or "",
         sampling=Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          seed=body.seed, stop=_stop(body.stop), logprobs=logprobs),
+                          seed=body.seed, stop=_stop(body.stop), logprobs=logprobs,
+                          ignore_eos=bool(body.ignore_eos)),
         documents=tuple(DocumentRef(d.id, d.text) for d in body.documents or ()),
         retrieve=(None if body.retrieve is None
                   else Retrieval(body.retrieve.top_k, body.retrieve.query)),

@@ -312,6 +312,8 @@ class Gateway:
             sampling.seed = s.seed + copy
         if s.logprobs is not None:
             sampling.logprobs = s.logprobs
+        if s.ignore_eos:
+            sampling.ignore_eos = True
         echo = None
         if req.echo:
             placeholders: tuple[TokenLogprob, ...] = ()

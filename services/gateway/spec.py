@@ -43,6 +43,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     """None: no log-probabilities; k: each token's log-probability plus its top-k alternatives."""
+    ignore_eos: bool = False
+    """Generate past end-of-sequence tokens, up to max_tokens (load tests: fixed output lengths)."""
 
 
 @dataclass(frozen=True)

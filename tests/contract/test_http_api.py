@@ -86,6 +86,13 @@ def test_completions_default_max_tokens_is_16(client, gateway):
     assert gateway.state.calls[0].request.request.sampling.max_tokens == 16
 
 
+def test_ignore_eos_reaches_the_engine_only_when_asked(client, gateway):
+    client.chat.completions.create(model=MODEL, messages=USER, extra_body={"ignore_eos": True})
+    client.completions.create(model=MODEL, prompt="x", extra_body={"ignore_eos": True})
+    client.chat.completions.create(model=MODEL, messages=USER)
+    assert [c.request.request.sampling.ignore_eos for c in gateway.state.calls] == [True, True, False]
+
+
 def test_n_fans_out_with_consecutive_seeds(client, gateway):
     r = client.chat.completions.create(model=MODEL, messages=USER, n=3, seed=40)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]

@@ -11,7 +11,7 @@ from kvmesh.loadtest.models import BenchModel, BenchRefused, bench_model, chat_f
 from kvmesh.model.config import ModelConfig
 from model_families import family_model
 
-MODEL_BENCHES = sorted(set(registry.BENCHES) - set(registry.BUNDLED_ONLY))
+MODEL_BENCHES = sorted(set(registry.BENCHES) - set(registry.BUNDLED_ONLY) - set(registry.NO_MODEL))
 
 
 class Loaded(Exception):
@@ -87,6 +87,11 @@ def test_rows_carry_the_model(monkeypatch):
 def test_bundled_only_benches_refuse_another_model_and_say_why(name):
     with pytest.raises(BenchRefused, match=f"kvmesh bench {name} runs on the bundled model only: "):
         registry.run_bench(name, quick=True, model="/models/qwen")
+
+
+def test_a_bench_that_loads_no_model_refuses_one_and_says_why():
+    with pytest.raises(BenchRefused, match="kvmesh bench loadgen takes no --model: it measures the load harness"):
+        registry.run_bench("loadgen", quick=True, model="/models/qwen")
 
 
 def test_a_workload_longer_than_the_context_is_refused_before_anything_starts(qwen2):

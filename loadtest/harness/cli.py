@@ -1,0 +1,131 @@
+"""`kvmesh loadtest`: a workload against OpenAI-compatible endpoints, level by level.
+
+    kvmesh loadtest --workload multiturn --rate 0.5,1,2,4 --num-requests 64 --slo ttft=2s,tpot=150ms \\
+        --json loadtest/results/multiturn.json --plot loadtest/results/multiturn.png
+    kvmesh loadtest --target kvmesh=http://127.0.0.1:8000/v1 --target llama=http://127.0.0.1:8080/v1 ...
+
+Each target gets the same seeded requests at each level, one level after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import httpx
+
+from kvmesh.loadtest.harness import workloads
+from kvmesh.loadtest.harness.report import plot, rows, table
+from kvmesh.loadtest.harness.runner import Target, run_level
+from kvmesh.loadtest.harness.stats import Slo, Summary, summarize
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("loadtest", help="open-loop load against OpenAI-compatible endpoints: latency "
+                                        "percentiles, throughput, goodput",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="base URL of the endpoint (…/v1); default: the local stack's gateway")
+    p.add_argument("--target", action="append", default=[], metavar="NAME=URL",
+                   help="a named endpoint (repeatable): every one gets the same workload at each level")
+    p.add_argument("--model", help="model name to request (default: the first one /models lists)")
+    p.add_argument("--api-key", default="none", help="bearer key sent to every target")
+    p.add_argument("--workload", default="random", choices=workloads.WORKLOADS)
+    p.add_argument("--trace", help="Mooncake-format JSONL to replay (--workload trace)")
+    p.add_argument("--rate", help="request rate(s) per second, comma-separated for a sweep (open loop)")
+    p.add_argument("--concurrency", help="closed loop instead: number(s) of concurrent users, comma-separated")
+    p.add_argument("--arrival", default="poisson", choices=("poisson", "constant"))
+    p.add_argument("--num-requests", type=int, default=100, help="requests per level")
+    p.add_argument("--duration", type=float, default=float("inf"), help="seconds per level after which no request is sent")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos is sent)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="requests sent one at a time to each target before its first level, not measured")
+    p.add_argument("--slo", help="goodput bounds, e.g. ttft=2s,tpot=100ms (also itl, e2el)")
+    p.add_argument("--documents", choices=("auto", "on", "off"), default="auto",
+                   help="rag: send documents through kvmesh's `documents` extension (auto: when the target's "
+                        "/openapi.json has it), else inline them")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    p.add_argument("--json", help="write rows {params..., metric, value, unit} here")
+    p.add_argument("--plot", help="write a PNG of latency percentiles and goodput vs rate here")
+
+
+def _levels(text: str | None, kind: type) -> list:
+    return [kind(v) for v in text.split(",") if v.strip()] if text else []
+
+
+def _local_url() -> str:
+    from kvmesh.launcher import openai_base_url
+
+    return openai_base_url() or "http://127.0.0.1:8000/v1"
+
+
+async def _describe(name: str, url: str, args) -> Target:
+    """The target's model (from /models unless given) and whether it takes `documents`."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        headers = {"Authorization": f"Bearer {args.api_key}"}
+        model = args.model
+        if model is None:
+            try:
+                listed = (await client.get(f"{url}/models", headers=headers)).json()["data"]
+                model = listed[0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                raise SystemExit(f"kvmesh loadtest: {name} ({url}) lists no model ({e!r}); pass --model") from None
+        documents = args.documents == "on"
+        if args.documents == "auto":
+            root = url[:-3] if url.endswith("/v1") else url
+            try:
+                spec = (await client.get(f"{root}/openapi.json")).json()
+                documents = "documents" in json.dumps(spec.get("components", {}).get("schemas", {}).get(
+                    "ChatCompletionBody", {}))
+            except (httpx.HTTPError, ValueError):
+                documents = False
+    return Target(url.rstrip("/"), model, args.api_key, documents)
+
+
+async def _run(args) -> list[tuple[dict, Summary]]:
+    named = [t.split("=", 1) for t in args.target]
+    if any(len(t) != 2 for t in named):
+        raise SystemExit("kvmesh loadtest: --target takes NAME=URL, e.g. --target llama=http://127.0.0.1:8080/v1")
+    targets = [(n, u) for n, u in named] or [("target", args.url or _local_url())]
+    rates, users = _levels(args.rate, float), _levels(args.concurrency, int)
+    if args.workload != "trace" and not rates and not users:
+        raise SystemExit("kvmesh loadtest: give --rate (open loop) or --concurrency (closed loop)")
+    slo = Slo.parse(args.slo) if args.slo else None
+    plan = [("rate", r) for r in rates] + [("concurrency", c) for c in users] or [("rate", None)]
+    # level i's requests: the same for every target, new at each level (workloads' docstring)
+    per_level = [workloads.make(args.workload, args.num_requests, seed=args.seed, max_tokens=args.max_tokens,
+                                trace=args.trace, variant=i + 1) for i in range(len(plan))]
+    warmup = workloads.make(args.workload, args.warmup, seed=args.seed, max_tokens=args.max_tokens,
+                            trace=args.trace) if args.warmup else []
+    levels: list[tuple[dict, Summary]] = []
+    for name, url in targets:
+        target = await _describe(name, url, args)
+        if warmup:
+            await run_level(target, [dataclasses.replace(r, arrival=None) for r in warmup], concurrency=1,
+                            timeout_s=args.timeout)
+        for (kind, value), requests in zip(plan, per_level):
+            records = await run_level(target, requests, rate=value if kind == "rate" else None,
+                                      concurrency=value if kind == "concurrency" else None, arrival=args.arrival,
+                                      seed=args.seed, duration_s=args.duration, timeout_s=args.timeout)
+            params = {"system": name, "workload": args.workload, kind: value}
+            summary = summarize(records, slo)
+            levels.append((params, summary))
+            print(table([(params, summary)]).splitlines()[1], file=sys.stderr, flush=True)
+    return levels
+
+
+def run(args) -> int:
+    levels = asyncio.run(_run(args))
+    print(table(levels))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        out = [r for params, s in levels for r in rows(s, **{k: v for k, v in params.items() if v is not None})]
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"wrote {len(out)} rows to {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(levels, args.plot, args.slo)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,94 @@
+"""Reporting load levels: a table like `vllm bench serve`'s, JSON rows, and PNG plots."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from kvmesh.loadtest.harness.stats import PERCENTILES, Summary
+
+LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
+
+
+def rows(summary: Summary, **params) -> list[dict]:
+    """One level as benchmark rows {params..., metric, value, unit} (latencies in ms)."""
+    out = [
+        {**params, "metric": "requests", "value": summary.requests, "unit": "requests"},
+        {**params, "metric": "completed", "value": summary.completed, "unit": "requests"},
+        {**params, "metric": "duration", "value": summary.duration_s, "unit": "s"},
+        {**params, "metric": "request_throughput", "value": summary.request_throughput, "unit": "req/s"},
+        {**params, "metric": "output_throughput", "value": summary.output_throughput, "unit": "tok/s"},
+        {**params, "metric": "total_token_throughput", "value": summary.total_token_throughput, "unit": "tok/s"},
+        {**params, "metric": "input_tokens", "value": summary.input_tokens, "unit": "tokens"},
+        {**params, "metric": "output_tokens", "value": summary.output_tokens, "unit": "tokens"},
+        {**params, "metric": "cached_prompt_fraction", "value": summary.cached_fraction, "unit": "fraction"},
+    ]
+    for key, _ in LATENCIES:
+        for stat, value in summary.latency[key].items():
+            out.append({**params, "metric": f"{stat}_{key}", "value": value * 1e3, "unit": "ms"})
+    if summary.goodput is not None:
+        out.append({**params, "slo": summary.slo, "metric": "goodput", "value": summary.goodput, "unit": "req/s"})
+    for status, n in sorted(summary.errors.items()):
+        out.append({**params, "status": status, "metric": "errors", "value": n, "unit": "requests"})
+    return out
+
+
+def _f(v: float, digits: int = 1) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def table(levels: list[tuple[dict, Summary]]) -> str:
+    """One line per level (system, workload, rate): throughput, goodput, latency percentiles (ms),
+    errors by status."""
+    header = ["system", "workload", "load", "done", "req/s", "tok/s", "goodput"]
+    for key, name in LATENCIES:
+        header += [f"{name} p{p}" for p in PERCENTILES]
+    header += ["cached", "errors"]
+    lines = [header]
+    for params, s in levels:
+        load = f"{params['rate']:g}/s" if params.get("rate") is not None else f"c={params.get('concurrency')}"
+        cells = [str(params.get("system", "")), str(params.get("workload", "")), load,
+                 f"{s.completed}/{s.requests}", _f(s.request_throughput, 2), _f(s.output_throughput, 0),
+                 _f(s.goodput, 2) if s.goodput is not None else "-"]
+        for key, _ in LATENCIES:
+            cells += [_f(s.latency[key][f"p{p}"] * 1e3, 0) for p in PERCENTILES]
+        cells += [f"{s.cached_fraction:.0%}", ", ".join(f"{k}:{v}" for k, v in sorted(s.errors.items())) or "0"]
+        lines.append(cells)
+    widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines) + \
+        "\n(latencies in ms: TTFT to the first token, TPOT per output token after it, ITL between chunks, " \
+        "E2EL end to end; goodput: req/s meeting the SLO)"
+
+
+def plot(levels: list[tuple[dict, Summary]], path: str, slo: Optional[str] = None) -> None:
+    """PNG: TTFT and TPOT p50/p99 and goodput against the offered rate, one line per system and
+    workload (open-loop levels only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, Summary]]] = {}
+    for params, s in levels:
+        if params.get("rate") is None:
+            continue
+        series.setdefault(f"{params.get('system', '')} · {params.get('workload', '')}", []).append((params["rate"], s))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for label, points in sorted(series.items()):
+        points.sort(key=lambda p: p[0])
+        rates = [r for r, _ in points]
+        for ax, key, name in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+            line, = ax.plot(rates, [s.latency[key]["p50"] * 1e3 for _, s in points], marker="o", label=f"{label} p50")
+            ax.plot(rates, [s.latency[key]["p99"] * 1e3 for _, s in points], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{label} p99")
+            ax.set_title(f"{name} (ms) vs offered rate")
+        if any(s.goodput is not None for _, s in points):
+            axes[2].plot(rates, [s.goodput or 0.0 for _, s in points], marker="o", label=label)
+    axes[2].set_title(f"goodput (req/s meeting {slo or 'the SLO'})")
+    for ax in axes:
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
