@@ -3,8 +3,10 @@
     kvmesh loadtest --workload multiturn --rate 0.5,1,2,4 --num-requests 64 --slo ttft=2s,tpot=150ms \\
         --json loadtest/results/multiturn.json --plot loadtest/results/multiturn.png
     kvmesh loadtest --target kvmesh=http://127.0.0.1:8000/v1 --target llama=http://127.0.0.1:8080/v1 ...
+    kvmesh loadtest --compare --workload rag --rate 0.25,0.5,1,1.5,2,3 ...   # starts each system itself
 
-Each target gets the same seeded requests at each level, one level after the other.
+Each target gets the same seeded requests at each level, one level after the other. --compare
+starts the systems of kvmesh.loadtest.harness.systems one at a time on the bundled model.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.loadtest.harness import workloads
+from kvmesh.loadtest.harness import systems, workloads
 from kvmesh.loadtest.harness.report import plot, rows, table
 from kvmesh.loadtest.harness.runner import Target, run_level
 from kvmesh.loadtest.harness.stats import Slo, Summary, summarize
@@ -30,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--url", help="base URL of the endpoint (…/v1); default: the local stack's gateway")
     p.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="a named endpoint (repeatable): every one gets the same workload at each level")
+    p.add_argument("--compare", nargs="?", const=",".join(systems.SYSTEMS), metavar="SYSTEMS",
+                   help="start and measure these systems one after the other (comma-separated; default: "
+                        f"{','.join(systems.SYSTEMS)})")
     p.add_argument("--model", help="model name to request (default: the first one /models lists)")
     p.add_argument("--api-key", default="none", help="bearer key sent to every target")
     p.add_argument("--workload", default="random", choices=workloads.WORKLOADS)
@@ -62,7 +67,7 @@ def _local_url() -> str:
     return openai_base_url() or "http://127.0.0.1:8000/v1"
 
 
-async def _describe(name: str, url: str, args) -> Target:
+async def _describe(name: str, url: str, args, extra: dict | None = None) -> Target:
     """The target's model (from /models unless given) and whether it takes `documents`."""
     async with httpx.AsyncClient(timeout=10) as client:
         headers = {"Authorization": f"Bearer {args.api_key}"}
@@ -82,14 +87,30 @@ async def _describe(name: str, url: str, args) -> Target:
                     "ChatCompletionBody", {}))
             except (httpx.HTTPError, ValueError):
                 documents = False
-    return Target(url.rstrip("/"), model, args.api_key, documents)
+    return Target(url.rstrip("/"), model, args.api_key, documents, extra)
 
 
-async def _run(args) -> list[tuple[dict, Summary]]:
-    named = [t.split("=", 1) for t in args.target]
-    if any(len(t) != 2 for t in named):
-        raise SystemExit("kvmesh loadtest: --target takes NAME=URL, e.g. --target llama=http://127.0.0.1:8080/v1")
-    targets = [(n, u) for n, u in named] or [("target", args.url or _local_url())]
+def run_systems(args) -> list[tuple[dict, Summary]]:
+    """--compare: each system started, measured at every level, stopped, in turn."""
+    names = [s.strip() for s in args.compare.split(",") if s.strip()]
+    unknown = [s for s in names if s not in systems.SYSTEMS]
+    if unknown:
+        raise SystemExit(f"kvmesh loadtest: unknown system(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(systems.SYSTEMS)}")
+    users = _levels(args.concurrency, int)
+    levels: list[tuple[dict, Summary]] = []
+    for name in names:
+        with systems.serving(name, parallel=max(users or [16])) as served:
+            levels += asyncio.run(_run(args, [(name, served.url, served.extra)]))
+    return levels
+
+
+async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) -> list[tuple[dict, Summary]]:
+    if targets is None:
+        named = [t.split("=", 1) for t in args.target]
+        if any(len(t) != 2 for t in named):
+            raise SystemExit("kvmesh loadtest: --target takes NAME=URL, e.g. --target llama=http://127.0.0.1:8080/v1")
+        targets = [(n, u, None) for n, u in named] or [("target", args.url or _local_url(), None)]
     rates, users = _levels(args.rate, float), _levels(args.concurrency, int)
     if args.workload != "trace" and not rates and not users:
         raise SystemExit("kvmesh loadtest: give --rate (open loop) or --concurrency (closed loop)")
@@ -101,8 +122,8 @@ async def _run(args) -> list[tuple[dict, Summary]]:
     warmup = workloads.make(args.workload, args.warmup, seed=args.seed, max_tokens=args.max_tokens,
                             trace=args.trace) if args.warmup else []
     levels: list[tuple[dict, Summary]] = []
-    for name, url in targets:
-        target = await _describe(name, url, args)
+    for name, url, extra in targets:
+        target = await _describe(name, url, args, extra)
         if warmup:
             await run_level(target, [dataclasses.replace(r, arrival=None) for r in warmup], concurrency=1,
                             timeout_s=args.timeout)
@@ -118,7 +139,7 @@ async def _run(args) -> list[tuple[dict, Summary]]:
 
 
 def run(args) -> int:
-    levels = asyncio.run(_run(args))
+    levels = run_systems(args) if args.compare else asyncio.run(_run(args))
     print(table(levels))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import httpx
 
 from kvmesh.loadtest.harness.stats import Record
+from kvmesh.sse import json_events
 from kvmesh.loadtest.harness.workloads import LoadRequest, inline_documents
 
 
@@ -81,13 +82,7 @@ async def send(client: httpx.AsyncClient, target: Target, req: LoadRequest, mess
                 record.end = clock()
                 return record
             usage = None
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in json_events(resp.aiter_lines()):
                 if "error" in chunk:
                     record.status = "stream"
                     break

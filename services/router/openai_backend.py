@@ -25,6 +25,7 @@ from kvmesh.services.router.backends import BackendError, ModelInfo
 from kvmesh.services.router.placement import Load
 from kvmesh.services.router.prompts import catalog_parts
 from kvmesh.services.router.topology import Replica
+from kvmesh.sse import json_events
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT}
@@ -118,16 +119,10 @@ class OpenAIBackend:
                     text = (await response.aread()).decode(errors="replace")[:500]
                     raise self._fail(_status(response.status_code),
                                      f"HTTP {response.status_code}: {text}")
-                async for line in response.aiter_lines():
+                async for chunk in json_events(response.aiter_lines()):
                     if time.monotonic() > deadline:
                         raise self._fail(grpc.StatusCode.DEADLINE_EXCEEDED,
                                          f"no complete answer within {timeout:.1f}s")
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or []:
                         finish = _FINISH.get(choice.get("finish_reason") or "", finish)
