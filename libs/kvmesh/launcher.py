@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.model.bundled import BUNDLED_NAME
+
 
 def data_dir() -> Path:
     return Path(os.environ.get("KVMESH_DATA_DIR", Path.home() / ".kvmesh"))
@@ -169,8 +171,6 @@ class StackPorts:
     draft: int = 50091
 
 
-BUNDLED_NAME = "smollm2-135m-instruct"
-"""The served name of the bundled model."""
 _NAME = re.compile(r"^[A-Za-z0-9._:/-]+$")  # what the router accepts as a tier name
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
-from kvmesh.launcher import BUNDLED_NAME
+from kvmesh.model.bundled import BUNDLED_NAME, names_gguf
 from kvmesh.limits import MAX_DRAFT_TOKENS
 from kvmesh.rpc.server import ServerSettings
 
@@ -91,7 +91,6 @@ class EngineConfig:
         a quarter of fp32's bytes per decoded token); anything else follows the compute dtype."""
         if self.weights != "auto":
             return self.weights
-        if self.dtype == "float32" and self.device == "cpu" and (
-                self.model == "bundled" or self.model.endswith(".gguf")):
+        if self.dtype == "float32" and self.device == "cpu" and names_gguf(self.model):
             return "gguf"
         return "bf16" if self.dtype == "bfloat16" else "fp32"

