@@ -21,7 +21,7 @@ import httpx
 
 from kvmesh.loadtest.harness import systems, workloads
 from kvmesh.loadtest.harness.report import plot, rows, table
-from kvmesh.loadtest.harness.runner import Target, run_level
+from kvmesh.loadtest.harness.runner import Target, run_level, scrape_hits
 from kvmesh.loadtest.harness.stats import Slo, Summary, summarize
 
 
@@ -128,11 +128,15 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
             await run_level(target, [dataclasses.replace(r, arrival=None) for r in warmup], concurrency=1,
                             timeout_s=args.timeout)
         for (kind, value), requests in zip(plan, per_level):
+            before = await scrape_hits(target.url)
             records = await run_level(target, requests, rate=value if kind == "rate" else None,
                                       concurrency=value if kind == "concurrency" else None, arrival=args.arrival,
                                       seed=args.seed, duration_s=args.duration, timeout_s=args.timeout)
             params = {"system": name, "workload": args.workload, kind: value}
             summary = summarize(records, slo)
+            after = await scrape_hits(target.url)
+            if before is not None and after is not None and after[1] > before[1]:
+                summary = dataclasses.replace(summary, metrics_hit_rate=(after[0] - before[0]) / (after[1] - before[1]))
             levels.append((params, summary))
             print(table([(params, summary)]).splitlines()[1], file=sys.stderr, flush=True)
     return levels

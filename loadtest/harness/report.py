@@ -25,6 +25,8 @@ def rows(summary: Summary, **params) -> list[dict]:
     for key, _ in LATENCIES:
         for stat, value in summary.latency[key].items():
             out.append({**params, "metric": f"{stat}_{key}", "value": value * 1e3, "unit": "ms"})
+    if summary.metrics_hit_rate is not None:
+        out.append({**params, "metric": "kv_hit_rate_metrics", "value": summary.metrics_hit_rate, "unit": "fraction"})
     if summary.goodput is not None:
         out.append({**params, "slo": summary.slo, "metric": "goodput", "value": summary.goodput, "unit": "req/s"})
     for status, n in sorted(summary.errors.items()):

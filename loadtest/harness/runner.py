@@ -180,3 +180,38 @@ async def run_level(target: Target, requests: list[LoadRequest], *, rate: Option
         if own:
             await client.aclose()
     return sorted(records, key=lambda r: r.sent)
+
+
+HIT_COUNTERS = (
+    ("kvmesh_gateway_tokens_total", {"kind": "cached"}, "kvmesh_gateway_tokens_total", {"kind": "prompt"}),
+    ("vllm:prefix_cache_hits_total", {}, "vllm:prefix_cache_queries_total", {}),
+)
+"""(hit counter, its labels, total counter, its labels) of servers whose /metrics say how many
+prompt tokens came from their KV cache: kvmesh's gateway, vLLM."""
+
+
+async def scrape_hits(url: str, client: Optional[httpx.AsyncClient] = None) -> Optional[tuple[float, float]]:
+    """(tokens served from cache, prompt tokens) so far from the /metrics beside base URL `url`
+    (…/v1), summed over the other labels; None when there is none or it has no such counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = url[:-3] if url.endswith("/v1") else url
+    try:
+        if client is None:
+            async with httpx.AsyncClient(timeout=5) as own:
+                resp = await own.get(f"{root}/metrics")
+        else:
+            resp = await client.get(f"{root}/metrics")
+        if resp.status_code != 200:
+            return None
+        samples = [s for f in text_string_to_metric_families(resp.text) for s in f.samples]
+    except (httpx.HTTPError, ValueError):
+        return None
+    for hit, hit_labels, total, total_labels in HIT_COUNTERS:
+        def total_of(name: str, labels: dict) -> Optional[float]:
+            vals = [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
+            return sum(vals) if vals else None
+        h, t = total_of(hit, hit_labels), total_of(total, total_labels)
+        if h is not None and t is not None:
+            return h, t
+    return None

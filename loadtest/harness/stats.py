@@ -134,6 +134,9 @@ class Summary:
     goodput: Optional[float]
     """Requests/s meeting the SLO (None without one)."""
     slo: str
+    metrics_hit_rate: Optional[float] = None
+    """Prompt tokens served from the target's KV cache over prompt tokens, from its /metrics
+    during the level (None when it exports no such counters)."""
 
     @property
     def request_throughput(self) -> float:

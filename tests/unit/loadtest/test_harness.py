@@ -172,3 +172,26 @@ async def test_rag_documents_go_in_the_extension_or_inline():
             assert b == body(Target("http://x/v1", "m", documents=extension), r, r.messages)
             assert ("documents" in b) == extension
             assert (b["messages"][-1]["content"].startswith(r.documents[0])) != extension
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('# TYPE kvmesh_gateway_tokens counter\nkvmesh_gateway_tokens_total{kind="prompt"} 1000.0\n'
+     'kvmesh_gateway_tokens_total{kind="cached"} 640.0\nkvmesh_gateway_tokens_total{kind="completion"} 9.0\n',
+     (640.0, 1000.0)),
+    ('# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{model_name="m"} 30.0\n'
+     '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{model_name="m"} 120.0\n',
+     (30.0, 120.0)),
+    ("# TYPE llamacpp:prompt_tokens counter\nllamacpp:prompt_tokens_total 77.0\n", None),
+])
+async def test_kv_hits_are_read_from_the_metrics_servers_export(text, expected):
+    from kvmesh.loadtest.harness.runner import scrape_hits
+
+    seen = []
+
+    def metrics(request):
+        seen.append(request.url.path)
+        return httpx.Response(200, text=text)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(metrics)) as client:
+        assert await scrape_hits("http://x:1/v1", client) == expected
+    assert seen == ["/metrics"]
