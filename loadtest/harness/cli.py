@@ -93,14 +93,16 @@ async def _describe(name: str, url: str, args, extra: dict | None = None) -> Tar
 def run_systems(args) -> list[tuple[dict, Summary]]:
     """--compare: each system started, measured at every level, stopped, in turn."""
     names = [s.strip() for s in args.compare.split(",") if s.strip()]
-    unknown = [s for s in names if s not in systems.SYSTEMS]
+    unknown = [s for s in names if s not in systems.KNOWN]
     if unknown:
         raise SystemExit(f"kvmesh loadtest: unknown system(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(systems.SYSTEMS)}")
+                         f"{', '.join(systems.KNOWN)}")
     users = _levels(args.concurrency, int)
+    slo = Slo.parse(args.slo) if args.slo else None
     levels: list[tuple[dict, Summary]] = []
     for name in names:
-        with systems.serving(name, parallel=max(users or [16])) as served:
+        with systems.serving(name, parallel=max(users or [16]),
+                             slo_ttft_s=slo.ttft if slo is not None and slo.ttft else 2.0) as served:
             levels += asyncio.run(_run(args, [(name, served.url, served.extra)]))
     return levels
 

@@ -10,6 +10,8 @@ while it is measured), on the bundled GGUF:
                    (the ablation)
   llamacpp-server  llama.cpp's own server on the same GGUF file, one continuous-batching slot per
                    concurrent request, its prompt cache on (its default: its own KV reuse)
+  kvmesh-slo       the default stack with SLO-aware admission on (the gateway's --slo-ttft-s =
+                   the TTFT bound of --slo, 2 s without one); not in the default --compare set
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import httpx
 from kvmesh import launcher
 
 SYSTEMS = ("kvmesh", "kvmesh-blend", "kvmesh-noreuse", "llamacpp-server")
+KNOWN = (*SYSTEMS, "kvmesh-slo")
 BLEND = {"kvmesh": {"lossy": {"recompute_ratio": 0.15}}}
 
 
@@ -45,12 +48,13 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def _stack(engine_args: tuple[str, ...] = ()) -> Iterator[str]:
+def _stack(engine_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = ()) -> Iterator[str]:
     data = tempfile.mkdtemp(prefix="kvmesh-loadtest-")
     env = {**os.environ, "KVMESH_DATA_DIR": data}
     http = launcher.free_port()
     ports = [f"--{svc}-port={launcher.free_port()}" for svc in ("gateway", "router", "engine", "kvcache", "draft")]
-    up = _kvmesh("up", f"--http-port={http}", *ports, *(f"--engine-arg={a}" for a in engine_args), env=env)
+    up = _kvmesh("up", f"--http-port={http}", *ports, *(f"--engine-arg={a}" for a in engine_args),
+                 *(f"--gateway-arg={a}" for a in gateway_args), env=env)
     if up.returncode != 0:
         raise SystemExit(f"kvmesh loadtest: the stack did not start: {up.stderr.strip()}")
     try:
@@ -93,11 +97,14 @@ def _llama_server(parallel: int, per_slot: int) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving(system: str, *, parallel: int = 16, per_slot: int = 4096) -> Iterator[Served]:
+def serving(system: str, *, parallel: int = 16, per_slot: int = 4096, slo_ttft_s: float = 2.0) -> Iterator[Served]:
     """Starts `system` (see the module docstring) and stops it on exit."""
     if system in ("kvmesh", "kvmesh-blend"):
         with _stack() as url:
             yield Served(url, BLEND if system == "kvmesh-blend" else None)
+    elif system == "kvmesh-slo":
+        with _stack(gateway_args=(f"--slo-ttft-s={slo_ttft_s:g}",)) as url:
+            yield Served(url)
     elif system == "kvmesh-noreuse":
         with _stack(("--enable-prefix-caching=false", "--kvcache-address=")) as url:
             yield Served(url)
@@ -105,4 +112,4 @@ def serving(system: str, *, parallel: int = 16, per_slot: int = 4096) -> Iterato
         with _llama_server(parallel, per_slot) as url:
             yield Served(url)
     else:
-        raise SystemExit(f"kvmesh loadtest: unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        raise SystemExit(f"kvmesh loadtest: unknown system {system!r}; choose from {', '.join(KNOWN)}")
