@@ -28,6 +28,7 @@ class GatewayConfig:
     max_inflight_prompt_tokens: int = setting(262144, "Prompt tokens in flight at once over all requests; more get 503 with Retry-After.", min=1)
     tenant_max_inflight_requests: int = setting(0, "Default per-tenant cap on upstream requests in flight (a tenant's own `max_inflight_requests` in the keys file wins); over it: 429. 0 = no cap.", min=0)
     retry_after_s: int = setting(1, "Seconds sent in Retry-After when a request is refused for load.", min=1)
+    slo_ttft_s: float = setting(0.0, "SLO-aware admission: refuse a request with 503 + Retry-After when its predicted time to first token (the prompt tokens queued ahead of it over the measured prefill rate) exceeds this many seconds, instead of admitting work that will miss it. 0 = off.", min=0.0)
     max_n: int = setting(16, "Largest `n` (choices per prompt) a request may ask for.", min=1, max=128)
     max_batch_prompts: int = setting(32, "Most prompts one /v1/completions request may batch.", min=1)
     default_temperature: float = setting(1.0, "Temperature of a request that names none (OpenAI's default is 1.0; 0 = greedy).", min=0.0, max=2.0)

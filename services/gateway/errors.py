@@ -61,9 +61,9 @@ class ApiError(KvmeshError):
     def __init__(self, code: grpc.StatusCode, message: str, *, param: str | None = None,
                  error_code: str | None = None, status: int | None = None,
                  retry_after: int | None = None) -> None:
-        super().__init__(message)
+        super().__init__(_encodable(message))
         self.code = code
-        self.param = param
+        self.param = _encodable(param)
         self.error_code = error_code
         self.status = http_status(code) if status is None else status
         self.retry_after = retry_after
@@ -76,6 +76,14 @@ class ApiError(KvmeshError):
     def headers(self) -> dict[str, str]:
         """Extra HTTP headers (Retry-After when set)."""
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+def _encodable(text: str | None) -> str | None:
+    """`text` with each lone UTF-16 surrogate written as its escape (\\ud800): a message may quote
+    the client's input (a JSON object key can hold one), and both front ends send it as UTF-8."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None, error_code: str | None = None) -> ApiError:

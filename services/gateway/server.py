@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Generator
 
@@ -53,6 +54,7 @@ def build_gateway(cfg: GatewayConfig, tokenizer: Tokenizer, channel: grpc.aio.Ch
         on_change=metrics.set_inflight)
     options = GatewayOptions(default_temperature=cfg.default_temperature,
                              retry_after_s=cfg.retry_after_s, trace_content=cfg.trace_content,
+                             slo_ttft_s=cfg.slo_ttft_s,
                              limits=Limits(max_n=cfg.max_n, max_batch_prompts=cfg.max_batch_prompts))
     return Gateway(router, ModelCatalog(router, cfg.models_refresh_s), PromptBuilder(tokenizer),
                    KeyStore(cfg.keys_file), admission, options, metrics)
@@ -67,10 +69,22 @@ class _Uvicorn(uvicorn.Server):
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """The listening HTTP socket. Its protocol is IPPROTO_TCP, not 0 as `socket.create_server`
+    leaves it: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on accepted sockets whose
+    protocol says TCP, and with it on, a response written in two pieces (uvicorn writes the head,
+    then the body) waits for the client's delayed ACK, some 40 ms on every keep-alive request."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:  # the options socket.create_server sets
+        if os.name not in ("nt", "cygwin"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        return sock
     except OSError as e:
+        sock.close()
         raise OSError(f"gateway: cannot listen for HTTP on {host}:{port} ({e.strerror}); is "
                       "another process using the port? pass --http-port (0 = any free port)") from e
 

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Optional
 
 import grpc
 from opentelemetry import trace
@@ -35,6 +36,7 @@ from kvmesh.services.gateway.auth import KeyStore, Tenant
 from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
 from kvmesh.prompt_parts import part_to_proto
 from kvmesh.services.gateway.prompts import PreparedPrompt, PromptBuilder
+from kvmesh.services.gateway.slo import TtftPredictor
 from kvmesh.services.gateway.spec import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChoiceDelta,
@@ -67,6 +69,8 @@ class GatewayOptions:
     trace_content: bool = False
     """Operators' opt-in: prompt and completion text as span attributes (never by default)."""
     limits: Limits = Limits()
+    slo_ttft_s: float = 0.0
+    """SLO-aware admission's TTFT bound (services/gateway/slo.py); 0 = off."""
 
 
 class Generation:
@@ -78,8 +82,9 @@ class Generation:
 
     def __init__(self, gateway: Gateway, *, generation_id: str, request: GenerationRequest,
                  model: ModelEntry, prompts: list[PreparedPrompt], jobs: list[ChoiceJob],
-                 ticket: Ticket, endpoint: str, arrival: float) -> None:
+                 ticket: Ticket, endpoint: str, arrival: float, slo_handle: Optional[int] = None) -> None:
         self.id = generation_id
+        self._slo_handle = slo_handle
         self.created = int(time.time())
         self.request = request
         self.model = model
@@ -126,6 +131,8 @@ class Generation:
                         texts.setdefault(item.index, []).append(item.text)
                     if first_token and (item.token_ids or item.text):
                         first_token = False
+                        if self._slo_handle is not None:
+                            self._gateway.slo.first_token(self._slo_handle)
                         self._gateway.metrics.ttft_seconds.labels(self._endpoint).observe(
                             time.perf_counter() - self._arrival)
                     yield item
@@ -146,13 +153,18 @@ class Generation:
                 self._gateway.metrics.rejected.labels("upstream_exhausted").inc()
             raise to_api_error(e, retry_after=self._gateway.options.retry_after_s) from e
         finally:
-            self._ticket.release()
+            self._release()
+
+    def _release(self) -> None:
+        self._ticket.release()
+        if self._slo_handle is not None:
+            self._gateway.slo.leave(self._slo_handle)  # a no-op once its first token came
 
     async def aclose(self) -> None:
         """Stop: cancel the upstream calls still running and release the admission ticket."""
         if self._stream is not None:
             await self._stream.aclose()  # type: ignore[attr-defined]
-        self._ticket.release()
+        self._release()
 
 
 class Gateway:
@@ -168,6 +180,8 @@ class Gateway:
         self.admission = admission
         self.options = options
         self.metrics = metrics
+        self.slo = TtftPredictor(options.slo_ttft_s) if options.slo_ttft_s > 0 else None
+        """SLO-aware admission (services/gateway/slo.py), or None when off."""
 
     def authenticate(self, key: str | None) -> Tenant:
         """The tenant of `key` (raises Unauthenticated; counted as a rejection)."""
@@ -234,8 +248,10 @@ class Gateway:
         else:
             prompts = [await self.prompts.completion(p, i) for i, p in enumerate(req.prompts)]
         max_tokens = [self._max_tokens(req, model, p) for p in prompts]
-        ticket = self._admit(tenant, len(prompts) * req.n,
-                             sum(p.known_tokens for p in prompts) * req.n)
+        prompt_tokens = sum(p.known_tokens for p in prompts) * req.n
+        self._check_slo(prompt_tokens)
+        ticket = self._admit(tenant, len(prompts) * req.n, prompt_tokens)
+        slo_handle = self.slo.admit(prompt_tokens) if self.slo is not None else None
         generation_id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         jobs = [self._job(req, tenant, prompt, index=p_index * req.n + j, prompt_index=p_index,
                           copy=j, max_tokens=max_tokens[p_index],
@@ -243,7 +259,22 @@ class Gateway:
                 for p_index, prompt in enumerate(prompts) for j in range(req.n)]
         return Generation(self, generation_id=generation_id, request=req, model=model,
                           prompts=prompts, jobs=jobs, ticket=ticket, endpoint=endpoint,
-                          arrival=arrival)
+                          arrival=arrival, slo_handle=slo_handle)
+
+    def _check_slo(self, prompt_tokens: int) -> None:
+        """503 + Retry-After when the predicted TTFT breaks --slo-ttft-s (slo.py's NOTE)."""
+        if self.slo is None:
+            return
+        predicted = self.slo.refuses(prompt_tokens)
+        if predicted is None:
+            return
+        self.metrics.rejected.labels("slo_ttft").inc()
+        retry = self.slo.retry_after_s(predicted)
+        raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"the predicted time to first token ({predicted:.1f}s: {self.slo.waiting_tokens} prompt "
+                       f"tokens queued ahead at {self.slo.rate:.0f} tokens/s) exceeds the gateway's TTFT SLO "
+                       f"({self.slo.slo_s:g}s, --slo-ttft-s); retry after {retry}s",
+                       error_code="overloaded", status=503, retry_after=retry)
 
     def _max_tokens(self, req: GenerationRequest, model: ModelEntry, prompt: PreparedPrompt) -> int:
         """max_tokens to send (0 = the engine's default); 400 when the prompt leaves no room.

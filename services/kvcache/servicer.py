@@ -29,6 +29,7 @@ from kvmesh.services.kvcache.store import EntryTooLarge, StoreFull
 
 log = logging.getLogger(__name__)
 
+_UINT32_MAX = 2**32 - 1
 _TIERS = {"memory": pb.TIER_MEMORY, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
 _KINDS = {pb.INDEX_KIND_UNSPECIFIED: (Kind.CHUNK, Kind.DOCUMENT), pb.INDEX_KIND_ANY: (Kind.CHUNK, Kind.DOCUMENT),
           pb.INDEX_KIND_CHUNK: (Kind.CHUNK,), pb.INDEX_KIND_DOCUMENT: (Kind.DOCUMENT,)}
@@ -72,6 +73,10 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         b = self.backend
         keys = _check_keys(request.keys, "Lookup")
+        if len(keys) * request.chunk_tokens > _UINT32_MAX:  # prefix_tokens could not hold the answer
+            raise InvalidArgument(f"Lookup: {len(keys)} keys of chunk_tokens {request.chunk_tokens} can be "
+                                  f"more than {_UINT32_MAX} tokens; send the engine's chunk size (tokens per "
+                                  "chunk), or 0 to leave prefix_tokens unreported")
         where = await b.run(b.store.contains_many, keys)
         tiers = [_TIERS[name] if name else pb.TIER_UNSPECIFIED for name in where]
         prefix = next((i for i, name in enumerate(where) if not name), len(where))
@@ -91,7 +96,7 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
             raise ResourceExhausted(
                 f"Put: entry of {header.total_bytes} bytes exceeds the service's max entry size "
                 f"({self.max_entry_bytes}); use smaller chunks or a denser codec")
-        if header.HasField("ttl_s") and header.ttl_s <= 0:
+        if header.HasField("ttl_s") and not header.ttl_s > 0:  # NaN too
             raise InvalidArgument(f"Put: ttl_s must be > 0 seconds, got {header.ttl_s}")
         return namespace_digest(header, "Put")
 
@@ -199,7 +204,7 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
         b = self.backend
         keys = _check_keys(request.keys, "SetTtl")
         ttl = request.ttl_s if request.HasField("ttl_s") else None
-        if ttl is not None and ttl <= 0:
+        if ttl is not None and not ttl > 0:  # NaN too
             raise InvalidArgument(f"SetTtl: ttl_s must be > 0 seconds (unset clears the TTL), got {ttl}")
         n = await b.run(lambda: sum(b.store.set_ttl(k, ttl) for k in keys))
         return pb.SetTtlResponse(updated=n)
@@ -230,6 +235,9 @@ class KvCatalogServicer(kvcache_pb2_grpc.KvCatalogServiceServicer):
             raise InvalidArgument("Search: set text (embedded by the service) or embedding (384 floats, norm 1)")
         if request.k > MAX_SEARCH_K:
             raise InvalidArgument(f"Search: k must be 1..{MAX_SEARCH_K} (0 = 10), got {request.k}")
+        if request.kind not in _KINDS:  # proto3 enums are open: any int32 arrives
+            known = ", ".join(pb.IndexKind.Name(v) for v in _KINDS)
+            raise InvalidArgument(f"Search: kind {request.kind} is not an IndexKind; use one of {known}")
         namespace = namespace_digest(request, "Search")
         query = await b.vector(request.text if which == "text" else None,
                                request.embedding.values if which == "embedding" else (), "Search")

@@ -118,6 +118,17 @@ async def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_it(gat
     assert gateway.state.calls == []
 
 
+async def test_an_error_quoting_a_huge_input_keeps_its_status(stub, gateway):
+    """Found by tests/fuzz: NOT_FOUND quoting a 1 MiB model name outgrew the trailer size a grpc
+    client accepts, which then reported RESOURCE_EXHAUSTED ("metadata size exceeds hard limit")
+    instead; the shared interceptor cuts the message, so the status and its start arrive."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await _collect(stub.ChatComplete(pb.ChatCompleteRequest(model="m" * (1 << 20), messages=HI)))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert e.value.details().startswith("The model `mmm") and "more bytes cut" in e.value.details()
+    assert gateway.state.calls == []
+
+
 async def test_upstream_overload_is_resource_exhausted_with_retry_after(stub, gateway):
     gateway.state.fail = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 0)
     with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -97,6 +97,24 @@ def test_a_lone_surrogate_is_400_naming_the_field(gateway, path, body, param):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "%s", "prompt": "hi", "\\udc00": 1}', "\\udc00"),
+    ('{"model": "%s", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
+    ('{"model": "%s", "prompt": "hi", "kvmesh": ' + '{"a": ' * 40 + "1" + "}" * 41, "kvmesh" + ".a" * 31),
+    ('{"model": "%s", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", None),
+])
+def test_bodies_that_broke_the_json_layer_are_a_400(gateway, body, param):
+    """Found by tests/fuzz (each was a 500): a lone surrogate in an object key (quoted in the
+    error body, which then failed to encode), nesting past json's recursion limit, and an integer
+    of more digits than Python converts."""
+    r = httpx.post(f"{gateway.base_url}/completions", content=(body % MODEL).encode(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] in ("invalid_json", "invalid_string")
+    assert gateway.state.calls == []
+
+
 def test_context_length_exceeded_says_the_numbers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="abc", max_tokens=MAX_MODEL_LEN)
@@ -211,6 +229,36 @@ async def test_gateway_full_is_503_with_retry_after_and_slots_come_back(small_ga
         assert len(r.choices) == 2
     root = h.base_url.removesuffix("/v1")
     assert 'kvmesh_gateway_rejected_total{reason="inflight_requests"}' in httpx.get(f"{root}/metrics").text
+
+
+async def test_slo_admission_sheds_what_would_miss_the_ttft_slo_with_retry_after():
+    """--slo-ttft-s 1: with the measured rate set to 1.5 prompts' worth of tokens per second, one
+    request held before its first token leaves room for nobody else (2 prompts: 1.33 s > 1 s)."""
+    from gateway_utils import GatewayHarness
+
+    with GatewayHarness(slo_ttft_s=1.0) as h:
+        h.state.gate = h.call(asyncio.Event)
+        async with openai.AsyncOpenAI(base_url=h.base_url, api_key="x", max_retries=0) as c:
+            held = asyncio.ensure_future(c.chat.completions.create(model=MODEL, messages=USER))
+            assert await asyncio.to_thread(h.state.received.wait, 5)
+            slo = h.gateway.slo
+            tokens = slo.waiting_tokens  # the held request's prompt, admitted with no evidence yet
+            assert tokens > 0 and slo.predict(tokens) is None
+
+            def measured():
+                slo.rate, slo.samples = 1.5 * tokens, slo.min_samples
+            h.call(measured)
+            with pytest.raises(openai.InternalServerError) as e:
+                await c.chat.completions.create(model=MODEL, messages=USER)
+            assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+            assert e.value.body["code"] == "overloaded" and "TTFT SLO (1s, --slo-ttft-s)" in e.value.body["message"]
+            h.call(h.state.gate.set)
+            await held  # its first token: it leaves the queue
+            assert slo.waiting_tokens == 0
+            assert (await c.chat.completions.create(model=MODEL, messages=USER)).choices
+        root = h.base_url.removesuffix("/v1")
+        assert 'kvmesh_gateway_rejected_total{reason="slo_ttft"} 1.0' in httpx.get(f"{root}/metrics").text
+        assert len(h.state.calls) == 2  # the shed one never reached the router
 
 
 async def test_prompt_token_budget_is_enforced(small_gateway):

@@ -93,7 +93,10 @@ async def test_client_embedding_must_be_normalized(served):
     for request, fix in [(pb.SearchRequest(text="x"), "namespace is unset"),
                          (pb.SearchRequest(text="x", namespace=common_pb2.KvNamespace(layout=NS.layout)),
                           "model_identity is empty"),
-                         (pb.SearchRequest(text="x", namespace=no_dtype), "layout.dtype 0 is not a KV dtype")]:
+                         (pb.SearchRequest(text="x", namespace=no_dtype), "layout.dtype 0 is not a KV dtype"),
+                         # found by tests/fuzz: an IndexKind outside the enum was INTERNAL (a KeyError)
+                         (pb.SearchRequest(text="x", namespace=NS, kind=-2**31), "is not an IndexKind"),
+                         (pb.SearchRequest(text="x", namespace=NS, kind=9), "kind 9 is not an IndexKind")]:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await served.catalog.Search(request, timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fix in err.value.details()

@@ -82,6 +82,20 @@ async def test_put_get_lookup_roundtrip_across_parts(kv):
     assert header.token_ids == tuple(tokens[:16])
 
 
+async def test_lookup_refuses_a_chunk_size_prefix_tokens_cannot_hold(kv):
+    """Found by tests/fuzz: chunk_tokens near 2**32 made prefix_tokens (uint32) overflow, a
+    ValueError building the answer: INTERNAL. Keys x chunk_tokens must fit."""
+    tokens = list(range(32))
+    keys = prefix_keys(tokens, 16, NS)
+    for i, key in enumerate(keys):
+        await kv.Put(put_stream(key, make_blob(tokens[i * 16:(i + 1) * 16], seed=i)), timeout=10)
+    found = await kv.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=2**31 - 1), timeout=10)
+    assert (found.prefix_chunks, found.prefix_tokens) == (2, 2**32 - 2)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await kv.Lookup(pb.LookupRequest(keys=keys, chunk_tokens=2**31), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chunk_tokens 2147483648" in err.value.details()
+
+
 async def test_large_blob_streams_in_parts_and_is_byte_identical(kv):
     tokens = list(range(1024))
     blob = make_blob(tokens)  # ~130 KB; sent in 7 KB parts, served back in 1 MiB parts
@@ -107,6 +121,7 @@ async def test_large_blob_streams_in_parts_and_is_byte_identical(kv):
      grpc.StatusCode.INVALID_ARGUMENT, "encoded for namespace"),
     (lambda key, blob: put_stream(key, b"not a kv blob at all"), grpc.StatusCode.INVALID_ARGUMENT, "not a valid"),
     (lambda key, blob: put_stream(key, blob, ttl_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttl_s"),
+    (lambda key, blob: put_stream(key, blob, ttl_s=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "ttl_s"),
 ])
 async def test_bad_puts_are_rejected_and_store_nothing(kv, mutate, code, fragment):
     tokens = list(range(16))
@@ -115,6 +130,32 @@ async def test_bad_puts_are_rejected_and_store_nothing(kv, mutate, code, fragmen
         await kv.Put(mutate(key, blob), timeout=10)
     assert err.value.code() == code and fragment in err.value.details()
     found = await kv.Lookup(pb.LookupRequest(keys=[key]), timeout=10)
+    assert list(found.tiers) == [pb.TIER_UNSPECIFIED]
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+async def test_a_put_message_protobuf_cannot_parse_is_invalid_argument(served, where):
+    """Found by tests/fuzz: in a client stream, bytes protobuf refuses were INTERNAL (grpc's
+    deserializer raised DecodeError in the servicer's loop); the shared interceptor answers
+    INVALID_ARGUMENT, naming the field where it can, as for a unary request."""
+    tokens = list(range(16))
+    key, blob = prefix_keys(tokens, 16, NS)[0], make_blob(tokens)
+    stream = [m.SerializeToString() for m in put_stream(key, blob)]
+    if where == "header":  # header.text holding a lone surrogate: 3 bytes for 3, lengths hold
+        header = pb.PutRequest.FromString(stream[0])
+        header.header.text = "XYZ"
+        stream[0] = header.SerializeToString().replace(b"XYZ", "\ud800".encode("utf-8", "surrogatepass"))
+        fragment = "'header.text'"
+    else:
+        stream.insert(1, b"\x12\xff")  # data whose length runs past the message
+        fragment = "not a valid kvmesh.kvcache.v1.PutRequest"
+    async with grpc.aio.insecure_channel(served.address) as channel:
+        put = channel.stream_unary("/kvmesh.kvcache.v1.KvcacheService/Put", request_serializer=lambda b: b,
+                                   response_deserializer=pb.PutResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await put(iter(stream), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details()
+    found = await served.stub.Lookup(pb.LookupRequest(keys=[key]), timeout=10)
     assert list(found.tiers) == [pb.TIER_UNSPECIFIED]
 
 
@@ -146,9 +187,10 @@ async def test_delete_pin_ttl_and_stats(kv):
     stats = await kv.Stats(pb.StatsRequest(), timeout=10)
     assert [t.entries for t in stats.tiers] == [2, 2]
     assert (stats.tiers[0].hits, stats.tiers[0].misses) == (1, 1)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await kv.SetTtl(pb.SetTtlRequest(keys=[keys[0]], ttl_s=0.0), timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for ttl in (0.0, float("nan")):  # NaN passed a `ttl <= 0` check
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kv.SetTtl(pb.SetTtlRequest(keys=[keys[0]], ttl_s=ttl), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_two_services_share_entries_through_the_redis_tier(tmp_path, redis_server):

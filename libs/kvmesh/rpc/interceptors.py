@@ -3,14 +3,15 @@
 Every kvmesh servicer method runs inside `ServerInterceptor`, which
 
 - maps a `KvmeshError` raised by the method (before or in the middle of a stream) to
-  `context.abort(error.code, error.message)`;
+  `context.abort(error.code, error.message)`, the message cut to `MAX_DETAILS_BYTES`;
 - maps any other exception to INTERNAL, logging its traceback; the server keeps serving;
 - opens a SERVER span named after the full method, parented by the W3C `traceparent` in the
   call's metadata, current while the method's code runs (so its outgoing calls join the trace);
 - records `kvmesh_rpc_server_handled_total` and `kvmesh_rpc_server_handling_seconds` in the
   server's registry;
 - answers a request protobuf cannot parse (a string field that is not UTF-8, say) with
-  INVALID_ARGUMENT naming the field (kvmesh.rpc.wire) rather than grpc's INTERNAL;
+  INVALID_ARGUMENT naming the field (kvmesh.rpc.wire) rather than grpc's INTERNAL, in a client
+  stream too (when the servicer reaches that message);
 - exposes the call's deadline to outgoing calls (`inbound_deadline`), counts calls in flight
   so a draining server knows when they are done, and, once told the server is draining,
   refuses new calls with UNAVAILABLE (a clear "retry elsewhere" for routers).
@@ -44,6 +45,19 @@ from kvmesh.telemetry import Telemetry, extract_context
 log = logging.getLogger(__name__)
 
 _PASS_THROUGH = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+MAX_DETAILS_BYTES = 2000
+"""Longest status message sent, in UTF-8 bytes. grpc carries it percent-encoded in a trailer, and
+clients refuse trailers past 8-16 KiB: a message quoting a huge input (a 1 MiB model name) would
+reach the caller as RESOURCE_EXHAUSTED "metadata size exceeds hard limit", not as its status."""
+
+
+def _details(message: str) -> str:
+    """`message` cut to MAX_DETAILS_BYTES (saying so), lone surrogates escaped: what the caller gets."""
+    raw = message.encode("utf-8", "backslashreplace")
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return raw.decode("utf-8")
+    kept = raw[:MAX_DETAILS_BYTES].decode("utf-8", "ignore")
+    return f"{kept}... ({len(raw) - len(kept.encode('utf-8'))} more bytes cut)"
 
 
 class RpcMetrics:
@@ -104,8 +118,8 @@ class _Call:
     async def fail(self, exc: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
         """Turn `exc` into the call's status: abort with a code, or re-raise as it is."""
         if isinstance(exc, KvmeshError):
-            self.code, self.message = exc.code, exc.message
-            await context.abort(exc.code, exc.message)
+            self.code, self.message = exc.code, _details(exc.message)
+            await context.abort(exc.code, self.message)
         if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted the call itself
             self.code = context.code() or grpc.StatusCode.UNKNOWN
             self.message = context.details() or ""
@@ -161,6 +175,22 @@ def _check_parsed(request: Any) -> None:
         raise InvalidArgument(request.message)
 
 
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream whose unparsable messages raise InvalidArgument where the servicer reads
+    them (with grpc's own deserializer, they raised DecodeError there: INTERNAL)."""
+    async for request in requests:
+        _check_parsed(request)
+        yield request
+
+
+def _parsed(request: Any, client_stream: bool) -> Any:
+    """The request, or for a client stream the stream, that the servicer gets (see above)."""
+    if client_stream:
+        return _checked_stream(request)
+    _check_parsed(request)
+    return request
+
+
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every async servicer method of one server (see the module docstring); spans go to
     `telemetry`'s provider, metrics to its registry."""
@@ -209,8 +239,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 continue
             if self._refusal is not None:
                 return handler._replace(**{kind: self._refuse(method, self._refusal)})
-            wrapped = {kind: self._wrap(method, behavior)}
-            if not handler.request_streaming and handler.request_deserializer is not None:
+            wrapped = {kind: self._wrap(method, behavior, handler.request_streaming)}
+            if handler.request_deserializer is not None:
                 wrapped["request_deserializer"] = _lenient(handler.request_deserializer)
             return handler._replace(**wrapped)
         return handler
@@ -223,35 +253,37 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         return refuse
 
-    def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, method: str, behavior: Callable[..., Any],
+              client_stream: bool) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
-            return self._wrap_stream(method, behavior)
+            return self._wrap_stream(method, behavior, client_stream)
         if inspect.iscoroutinefunction(behavior):
-            return self._wrap_unary(method, behavior)
+            return self._wrap_unary(method, behavior, client_stream)
         return behavior  # a sync method runs in grpc's executor; kvmesh servicers are async
 
-    def _wrap_unary(self, method: str, behavior: Callable[..., Awaitable[Any]]):
+    def _wrap_unary(self, method: str, behavior: Callable[..., Awaitable[Any]],
+                    client_stream: bool):
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _Call(self, method, context)
             try:
                 with call.active():
-                    _check_parsed(request)
-                    return await behavior(request, context)
+                    return await behavior(_parsed(request, client_stream), context)
             except BaseException as exc:
                 await call.fail(exc, context)
             finally:
                 call.end()
         return unary
 
-    def _wrap_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]):
+    def _wrap_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]],
+                     client_stream: bool):
         # NOTE: the span is current only while the servicer's generator runs (around each
         # __anext__), never across our own `yield`: grpc may finalize this generator from another
         # task after a cancel, and an OpenTelemetry token must be detached where it was attached.
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = _Call(self, method, context)
             try:
-                _check_parsed(request)
-                async with contextlib.aclosing(behavior(request, context)) as responses:
+                responses = behavior(_parsed(request, client_stream), context)
+                async with contextlib.aclosing(responses):
                     while True:
                         with call.active():
                             try:

@@ -6,7 +6,12 @@ import json
 import pytest
 
 from kvmesh.services.gateway.errors import ApiError
-from kvmesh.services.gateway.openai_schema import chat_request, completion_request, parse_body
+from kvmesh.services.gateway.openai_schema import (
+    MAX_JSON_DEPTH,
+    chat_request,
+    completion_request,
+    parse_body,
+)
 from kvmesh.services.gateway.spec import ChatTurn, Limits, Sampling, validate_request
 
 USER = [{"role": "user", "content": "hi"}]
@@ -103,3 +108,40 @@ def test_body_must_be_a_json_object(raw):
     with pytest.raises(ApiError) as e:
         parse_body(raw, "chat")
     assert e.value.error_code == "invalid_json" and e.value.status == 400
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "too deeply"),
+    (b'{"model": "m", "prompt": "p", "kvmesh": ' + b'{"a": ' * 40 + b"1" + b"}" * 41, "kvmesh.a.a"),
+    (b'{"model": "m", "prompt": "p", "seed": ' + b"9" * 5000 + b"}", "5000 digits"),
+    (b'{"model": "m", "prompt": "p", "seed": -' + b"9" * 5000 + b"}", "5000 digits"),
+])
+def test_bodies_json_cannot_hold_are_a_400(raw, words):
+    """Found by tests/fuzz: nesting deeper than json's recursion limit (a RecursionError) and an
+    integer past Python's 4300-digit conversion limit (a ValueError) were 500s."""
+    with pytest.raises(ApiError) as e:
+        parse_body(raw, "completion")
+    assert (e.value.status, e.value.error_code) == (400, "invalid_json")
+    assert words in e.value.message
+
+
+def test_nesting_is_refused_past_the_limit_only():
+    def body(levels: int) -> bytes:  # `levels` arrays nested inside the body (itself level 1)
+        value: object = 1
+        for _ in range(levels):
+            value = [value]
+        return json.dumps({"model": "m", "prompt": "p", "documents": value}).encode()
+
+    assert parse_body(body(MAX_JSON_DEPTH - 1), "completion").documents is not None
+    with pytest.raises(ApiError) as e:
+        parse_body(body(MAX_JSON_DEPTH), "completion")
+    assert e.value.param == "documents" + "[0]" * (MAX_JSON_DEPTH - 1)  # the array at level 33
+
+
+def test_an_error_quoting_a_lone_surrogate_can_be_sent():
+    """Found by tests/fuzz: a lone surrogate in an object key went into the error's message and
+    param, and rendering that body as UTF-8 failed (a 500 from the server's error handler)."""
+    with pytest.raises(ApiError) as e:
+        parse_body(b'{"model": "m", "prompt": "p", "kvmesh": {"\\ud800": 1}}', "completion")
+    assert e.value.param == "kvmesh.\\ud800" and e.value.error_code == "invalid_string"
+    json.dumps(e.value.body(), ensure_ascii=False).encode("utf-8")  # what the HTTP app sends
