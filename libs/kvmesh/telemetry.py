@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -123,7 +124,23 @@ def inject_metadata(metadata: Iterable[tuple[str, str]] | None = None) -> Metada
     return kept + list(carrier.items())
 
 
+# W3C Trace Context's tracestate list member: key=value (keys: simple or tenant@system).
+_TRACESTATE_MEMBER = re.compile(
+    r"\s*(?:[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]\s*")
+
+
+def valid_tracestate(header: str) -> bool:
+    """Whether a tracestate header parses under W3C Trace Context (at most 32 members)."""
+    members = [m for m in header.split(",") if m.strip()]
+    return len(members) <= 32 and all(_TRACESTATE_MEMBER.fullmatch(m) for m in members)
+
+
 def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
-    """The remote context carried by incoming gRPC metadata (an empty one when absent)."""
+    """The remote context carried by incoming gRPC metadata (an empty one when absent). A
+    tracestate that does not parse is dropped, as W3C Trace Context allows, before the
+    propagator sees it: it would log a warning on every call of a client that sends one."""
     carrier = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
+    if "tracestate" in carrier and not valid_tracestate(carrier["tracestate"]):
+        del carrier["tracestate"]
     return _PROPAGATOR.extract(carrier)
