@@ -50,6 +50,7 @@ class Script:
     probe_hangs: bool = False                     # Probe never answers (the caller's deadline ends it)
     generate_error: tuple[grpc.StatusCode, str] | None = None  # before the first message
     fail_after: int | None = None                 # UNAVAILABLE after this many tokens (of the whole output)
+    fail_after_final: bool = False                # UNAVAILABLE right after the final message
     hold_after: int | None = None                 # wait for `release` after this many tokens
     model: str = "fake-model"
     max_model_len: int = 2048
@@ -116,6 +117,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             if s.final is not None:
                 final.MergeFrom(s.final)
             yield engine_pb2.GenerateResponse(request_id=rid, final=final)
+            if s.fail_after_final:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} crashed after the end")
         finally:
             if not done:
                 self.cancelled.append(rid)

@@ -237,6 +237,7 @@ class TierPool:
         # what the client holds: tokens a caller's own resume carried, then this stream's
         streamed = [*request.resume_token_ids.ids, *attempts[0].first.delta.token_ids]
         stall = self.knobs.stall_timeout_s
+        finished = attempts[0].first.HasField("final")
         while True:
             current = attempts[-1]
             try:
@@ -253,8 +254,11 @@ class TierPool:
                                            f"stalled: no message for {stall:g}s (--stall-timeout-s)") from None
                     if message.HasField("delta"):
                         streamed.extend(message.delta.token_ids)
+                    finished = finished or message.HasField("final")
                     yield message
             except BackendError as e:
+                if finished:  # the answer is whole: only the end of the stream was lost
+                    return
                 if not (migrate and e.code in MIGRATE_ON and self.backends[current.replica].can_resume):
                     raise
                 current.ended = True
@@ -281,6 +285,7 @@ class TierPool:
                     "kvmesh.route.resumed_tokens": len(streamed), "kvmesh.route.reason": e.message})
                 if new.first.HasField("delta"):
                     streamed.extend(new.first.delta.token_ids)
+                finished = new.first.HasField("final")
                 yield new.first
 
     async def model_info(self, timeout: float) -> ModelInfo | None:

@@ -189,6 +189,14 @@ async def test_a_replica_failing_mid_stream_hands_the_request_to_another_that_re
 IN_ORDER = (dict(cached_tokens=150), dict(cached_tokens=100), dict(cached_tokens=50))
 
 
+async def test_a_stream_broken_after_its_final_message_is_not_migrated():
+    async with fake_engines(Script(fail_after_final=True, **IN_ORDER[0]), Script(**IN_ORDER[1])) as (e0, e1):
+        async with serving_router(router_config(tiers=tiers(e0, e1))) as r:
+            msgs = await r.collect(route_request(PROMPT))
+    assert text_of(msgs) == " e0101 e0102 e0103" and msgs[-1].response.HasField("final")
+    assert sum(m.response.HasField("final") for m in msgs) == 1 and not e1.generate_calls
+
+
 async def test_a_request_moves_again_when_its_new_replica_fails_too():
     async with fake_engines(Script(fail_after=1, **IN_ORDER[0]), Script(fail_after=2, **IN_ORDER[1]),
                             Script(**IN_ORDER[2])) as (e0, e1, e2):
