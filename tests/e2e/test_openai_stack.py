@@ -189,9 +189,14 @@ def test_documents_catalogued_cited_retrieved_and_blended(stack, client, tmp_pat
     assert first.model_extra["kvmesh"]["blended_tokens"] > 0  # "bread" was ingested: found by content
     assert first.model_extra["kvmesh"]["reuse"]["storage"].startswith("blend:")
     assert not first.model_extra["kvmesh"]["reuse"]["exact"]
-    swapped = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
-                                             extra_body={"documents": inline[::-1], "kvmesh": blend})
-    both = swapped.model_extra["kvmesh"]["blended_tokens"]
+    # The first request stores the rivers note on the engine's export thread, after its answer:
+    # ask again until that store has landed (each answer is the observation; no sleeping).
+    for _ in range(30):
+        swapped = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
+                                                 extra_body={"documents": inline[::-1], "kvmesh": blend})
+        both = swapped.model_extra["kvmesh"]["blended_tokens"]
+        if both > first.model_extra["kvmesh"]["blended_tokens"]:
+            break
     assert both > first.model_extra["kvmesh"]["blended_tokens"]  # the rivers note was stored by the first
     exact = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0,
                                            extra_body={"documents": inline[::-1]})
