@@ -272,8 +272,8 @@ class Gateway:
         retry = self.slo.retry_after_s(predicted)
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"the predicted time to first token ({predicted:.1f}s: {self.slo.waiting_tokens} prompt "
-                       f"tokens queued ahead at {self.slo.rate:.0f} tokens/s) exceeds the gateway's TTFT SLO "
-                       f"({self.slo.slo_s:g}s, --slo-ttft-s); retry after {retry}s",
+                       f"tokens queued ahead at {self.slo.rate:.0f} tokens/s) exceeds {self.slo.margin:.0%} of the "
+                       f"gateway's TTFT SLO ({self.slo.slo_s:g}s, --slo-ttft-s); retry after {retry}s",
                        error_code="overloaded", status=503, retry_after=retry)
 
     def _max_tokens(self, req: GenerationRequest, model: ModelEntry, prompt: PreparedPrompt) -> int:
