@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="model name to request (default: the first one /models lists)")
     p.add_argument("--api-key", default="none", help="bearer key sent to every target")
     p.add_argument("--workload", default="random", choices=workloads.WORKLOADS)
+    p.add_argument("--sessions", type=int, help="multiturn: conversations per level (default 8); the level's "
+                                                "requests are spread over them, turn by turn")
     p.add_argument("--trace", help="Mooncake-format JSONL to replay (--workload trace)")
     p.add_argument("--rate", help="request rate(s) per second, comma-separated for a sweep (open loop)")
     p.add_argument("--concurrency", help="closed loop instead: number(s) of concurrent users, comma-separated")
@@ -120,9 +122,10 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
     plan = [("rate", r) for r in rates] + [("concurrency", c) for c in users] or [("rate", None)]
     # level i's requests: the same for every target, new at each level (workloads' docstring)
     per_level = [workloads.make(args.workload, args.num_requests, seed=args.seed, max_tokens=args.max_tokens,
-                                trace=args.trace, variant=i + 1) for i in range(len(plan))]
+                                trace=args.trace, variant=i + 1, sessions=args.sessions)
+                 for i in range(len(plan))]
     warmup = workloads.make(args.workload, args.warmup, seed=args.seed, max_tokens=args.max_tokens,
-                            trace=args.trace) if args.warmup else []
+                            trace=args.trace, sessions=args.sessions) if args.warmup else []
     levels: list[tuple[dict, Summary]] = []
     for name, url, extra in targets:
         target = await _describe(name, url, args, extra)
@@ -134,7 +137,7 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
             records = await run_level(target, requests, rate=value if kind == "rate" else None,
                                       concurrency=value if kind == "concurrency" else None, arrival=args.arrival,
                                       seed=args.seed, duration_s=args.duration, timeout_s=args.timeout)
-            params = {"system": name, "workload": args.workload, kind: value}
+            params = {"system": name, "workload": args.workload, "sessions": args.sessions, kind: value}
             summary = summarize(records, slo)
             after = await scrape_hits(target.url)
             if before is not None and after is not None and after[1] > before[1]:
@@ -145,6 +148,11 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
 
 
 def run(args) -> int:
+    try:  # a bad workload option fails here, before any system is started
+        workloads.make(args.workload, 1, seed=args.seed, max_tokens=args.max_tokens, trace=args.trace,
+                       sessions=args.sessions)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"kvmesh loadtest: {e}") from None
     levels = run_systems(args) if args.compare else asyncio.run(_run(args))
     print(table(levels))
     if args.json:

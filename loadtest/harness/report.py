@@ -31,6 +31,8 @@ def rows(summary: Summary, **params) -> list[dict]:
         out.append({**params, "slo": summary.slo, "metric": "goodput", "value": summary.goodput, "unit": "req/s"})
     for status, n in sorted(summary.errors.items()):
         out.append({**params, "status": status, "metric": "errors", "value": n, "unit": "requests"})
+    if summary.errors:
+        out.append({**params, "metric": "errors_with_retry_after", "value": summary.retry_after, "unit": "requests"})
     return out
 
 
@@ -53,7 +55,10 @@ def table(levels: list[tuple[dict, Summary]]) -> str:
                  _f(s.goodput, 2) if s.goodput is not None else "-"]
         for key, _ in LATENCIES:
             cells += [_f(s.latency[key][f"p{p}"] * 1e3, 0) for p in PERCENTILES]
-        cells += [f"{s.cached_fraction:.0%}", ", ".join(f"{k}:{v}" for k, v in sorted(s.errors.items())) or "0"]
+        errors = ", ".join(f"{k}:{v}" for k, v in sorted(s.errors.items())) or "0"
+        if s.retry_after:
+            errors += f" ({s.retry_after} with Retry-After)"
+        cells += [f"{s.cached_fraction:.0%}", errors]
         lines.append(cells)
     widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines) + \

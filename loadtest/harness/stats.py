@@ -134,6 +134,8 @@ class Summary:
     goodput: Optional[float]
     """Requests/s meeting the SLO (None without one)."""
     slo: str
+    retry_after: int = 0
+    """Failed requests whose response carried a Retry-After header (shed, told when to come back)."""
     metrics_hit_rate: Optional[float] = None
     """Prompt tokens served from the target's KV cache over prompt tokens, from its /metrics
     during the level (None when it exports no such counters)."""
@@ -174,4 +176,5 @@ def summarize(records: list[Record], slo: Optional[Slo] = None) -> Summary:
                    input_tokens=sum(r.prompt_tokens for r in done), output_tokens=sum(r.output_tokens for r in done),
                    cached_tokens=sum(r.cached_tokens for r in done),
                    errors=dict(Counter(r.status for r in records if not r.ok)), latency=latency,
-                   goodput=goodput, slo=str(slo) if slo is not None else "none")
+                   goodput=goodput, slo=str(slo) if slo is not None else "none",
+                   retry_after=sum(1 for r in records if not r.ok and r.retry_after is not None))

@@ -83,11 +83,11 @@ def shared_prefix(n: int, *, seed: int, variant: int = 0, prefixes: int = 4, pre
     return out
 
 
-def multiturn(n: int, *, seed: int, variant: int = 0, sessions: int = 8, first_words: int = 150,
+def multiturn(n: int, *, seed: int, variant: int = 0, sessions: int = 8, first_words: int = 400,
               turn_words: int = 30, max_tokens: int = 64) -> list[LoadRequest]:
     """`n` turns spread over `sessions` conversations (turn t of every session before turn t+1
-    of any, so all sessions grow together); the first turn is long (a pasted text), later ones
-    short follow-ups."""
+    of any, so all sessions grow together); the first turn is long (a pasted text of about 500
+    tokens), later ones short follow-ups."""
     rng = random.Random(f"{seed}/{variant}")
     out: list[LoadRequest] = []
     turn = 0
@@ -164,8 +164,9 @@ def read_trace(path: str | Path, *, max_tokens_cap: int = 512, block_words: int 
 
 
 def make(name: str, n: int, *, seed: int, max_tokens: int, trace: Optional[str] = None,
-         variant: int = 0) -> list[LoadRequest]:
-    """Workload `name` with `n` requests (a trace: its first n rows, whatever the variant)."""
+         variant: int = 0, sessions: Optional[int] = None) -> list[LoadRequest]:
+    """Workload `name` with `n` requests (a trace: its first n rows, whatever the variant);
+    `sessions`: the number of conversations of the multiturn workload (its default otherwise)."""
     if name == "trace":
         if not trace:
             raise ValueError("the trace workload needs --trace FILE (Mooncake JSONL)")
@@ -173,4 +174,10 @@ def make(name: str, n: int, *, seed: int, max_tokens: int, trace: Optional[str] 
     makers = {"random": random_prompts, "shared-prefix": shared_prefix, "multiturn": multiturn, "rag": rag}
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if sessions is not None:
+        if name != "multiturn":
+            raise ValueError(f"--sessions applies to the multiturn workload only, not {name!r}")
+        if sessions < 1:
+            raise ValueError(f"--sessions must be at least 1, got {sessions}")
+        return multiturn(n, seed=seed, variant=variant, max_tokens=max_tokens, sessions=sessions)
     return makers[name](n, seed=seed, variant=variant, max_tokens=max_tokens)

@@ -14,6 +14,7 @@ from fake_clock import FakeClock
 from kvmesh.loadtest.harness import workloads
 from kvmesh.loadtest.harness.runner import Target, arrivals, body, run_level
 from kvmesh.loadtest.harness.stats import Record, Slo, percentile, summarize
+from kvmesh.loadtest.harness.report import rows as report_rows
 
 
 def test_constant_arrivals_are_evenly_spaced_and_poisson_ones_are_seeded_exponential():
@@ -81,6 +82,10 @@ def test_workloads_are_seeded_and_shaped_as_their_names_say():
     assert len(systems) == 4 and all(len(s.split()) > 300 for s in systems)
     chat = workloads.make("multiturn", 20, seed=1, max_tokens=8)
     assert [r.session for r in chat[:8]] == [f"v0s{i}" for i in range(8)] and chat[8].tags["turn"] == 1
+    wide = workloads.make("multiturn", 20, seed=1, max_tokens=8, sessions=5)
+    assert len({r.session for r in wide}) == 5 and [r.tags["turn"] for r in wide[::5]] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="multiturn workload only"):
+        workloads.make("rag", 4, seed=1, max_tokens=8, sessions=2)
     docs = workloads.make("rag", 50, seed=1, max_tokens=8)
     assert all(len(r.documents) == 3 for r in docs)
     orders = {tuple(r.tags["documents"]) for r in docs}
@@ -151,6 +156,8 @@ async def test_shed_requests_are_counted_by_status_with_their_retry_after():
     script = Scripted(FakeClock(0.0), shed=True)
     records = await _run(script, workloads.make("random", 5, seed=0, max_tokens=4), concurrency=2)
     assert summarize(records).errors == {"503": 5} and {r.retry_after for r in records} == {"2"}
+    assert summarize(records).retry_after == 5
+    assert {"metric": "errors_with_retry_after", "value": 5, "unit": "requests"} in report_rows(summarize(records))
 
 
 async def test_a_session_resends_its_conversation_with_the_real_answers():
