@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.loadtest.report import pivot, row
+from kvmesh.threads import usable_cores
 
 QUESTIONS = {
     "augassign": "How does writing x += 1 differ from writing x = x + 1?",
@@ -380,7 +381,6 @@ def longest_prompts(prompts, ids, sep, catalog_ids: list[list[int]]) -> tuple[in
 
 
 def run(quick: bool = False, json_path: str | None = None, model: str = "bundled") -> list[dict]:
-    import os
     import tempfile
 
     from kvmesh import launcher
@@ -404,7 +404,7 @@ def run(quick: bool = False, json_path: str | None = None, model: str = "bundled
     print(f"{len(prompts)} prompts of {min(len(p.ids(ids, sep)) for p in prompts)}-"
           f"{max(len(p.ids(ids, sep)) for p in prompts)} tokens; catalog of {len(catalog)} documents",
           file=sys.stderr)
-    threads = str(os.cpu_count() or 1)
+    threads = str(usable_cores())
     procs = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-blend-") as tmp:
         try:

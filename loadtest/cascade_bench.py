@@ -20,7 +20,6 @@ against accuracy is written beside the JSON (or to bench-results/cascade.png).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 import statistics
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.loadtest.report import pivot, row
+from kvmesh.threads import usable_cores
 
 CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
             "Russia": "Moscow", "Egypt": "Cairo", "China": "Beijing", "England": "London", "Greece": "Athens",
@@ -157,7 +157,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict]:
     print(f"kvmesh bench cascade ({'quick' if quick else 'full'}): {len(tasks)} tasks, "
           f"thresholds {THRESHOLDS}", file=sys.stderr)
     tok = load_tokenizer("bundled")
-    threads = str(os.cpu_count() or 1)  # the engines take turns: each may use every core
+    threads = str(usable_cores())  # the engines take turns: each may use every core
     procs = []
     try:
         cheap = launcher.start_service("bench-cheap", "kvmesh.services.engine",

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from kvmesh.loadtest.report import pivot, row
-from kvmesh.threads import set_torch_threads
+from kvmesh.threads import set_torch_threads, usable_cores
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: s
 
     port = launcher.free_port()
     svc = launcher.start_service("bench-engine", "kvmesh.services.engine",
-                                 ["--threads", str(os.cpu_count() or 1), *engine_args], port)
+                                 ["--threads", str(usable_cores()), *engine_args], port)
     try:
         rows = asyncio.run(_kvmesh_workload(svc.address, prompts, plan, psutil.Process(svc.pid)))
         return [{**r, "system": system} for r in rows]
@@ -200,7 +200,7 @@ def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
     rate) -- the `llamacpp-server` column is llama.cpp's concurrent peer."""
     from llama_cpp import Llama
 
-    threads = os.cpu_count() or 1
+    threads = usable_cores()
     # Weight repacking (llama.cpp's extra buffer types) stays on, as in llama-server; the build has
     # no AMX buffer type (scripts/build-llamacpp.sh). Llama() has no such argument: it ignores one.
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads,
@@ -429,7 +429,7 @@ def bench_llamacpp_server(plan: Plan, prompts: Prompts, gguf: Path, binary: Path
     if binary is None:
         raise FileNotFoundError(f"llama-server is not built: run `{BUILD_HINT}` (or set {LLAMA_SERVER_ENV})")
     port = launcher.free_port()
-    cmd = llama_server_command(binary, gguf, plan, port, os.cpu_count() or 1)
+    cmd = llama_server_command(binary, gguf, plan, port, usable_cores())
     slots, _ = server_slots(plan)
     limits = httpx.Limits(max_connections=slots, max_keepalive_connections=slots)
     with tempfile.TemporaryFile() as log, \

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.loadtest.report import pivot, row
+from kvmesh.threads import usable_cores
 
 CODECS = ("fp32", "fp16", "int8", "int4", "int2")
 TTFT_CODECS = ("auto", "int4")
@@ -196,7 +196,7 @@ def _ttft_rows(plan: Plan, codec_name: str, model: str, engine_args: tuple[str, 
     data = tempfile.mkdtemp(prefix="kvmesh-bench-kv-")
     kv_port, eng_port = launcher.free_port(), launcher.free_port()
     kv_args = ["--data-dir", data, "--tiers", "memory,disk", "--disk-map-bytes", str(4 << 30)]
-    eng_args = ["--kvcache-address", f"127.0.0.1:{kv_port}", "--threads", str(os.cpu_count() or 1),
+    eng_args = ["--kvcache-address", f"127.0.0.1:{kv_port}", "--threads", str(usable_cores()),
                 "--kv-codec", codec_name, "--kv-zstd", "true", *engine_args]
     # The KV service idles while the engine computes: one torch thread for it, the cores for the engine.
     one_thread = {"OMP_NUM_THREADS": "1"}

@@ -4,13 +4,13 @@ docstring)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import tempfile
 import time
 
 from kvmesh.loadtest.blend_bench import generate
 from kvmesh.loadtest.quality_workloads import QualityPrompt
+from kvmesh.threads import usable_cores
 
 WARM_RATIO = 0.33
 """The untimed pass's ratio: one no timed pass uses, so no timed prompt meets its own blended
@@ -81,7 +81,7 @@ def measure_ttft(prompts: list[QualityPrompt], ratios, warm: list[int],
     model (kvmesh.loadtest.models.BenchModel.engine_args)."""
     from kvmesh import launcher
 
-    threads = str(os.cpu_count() or 1)
+    threads = str(usable_cores())
     print(f"TTFT: {len(prompts)} prompts of {min(len(p.token_ids) for p in prompts)}-"
           f"{max(len(p.token_ids) for p in prompts)} tokens", file=sys.stderr)
     engine = launcher.start_service("bench-engine", "kvmesh.services.engine", ["--threads", threads, *engine_args],

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
 from kvmesh.loadtest.report import pivot, row
+from kvmesh.threads import usable_cores
 
 DRAFTERS = ("off", "ngram", "model", "adaptive")
 CHAT = ("Write a short story about a robot who learns to paint.",
@@ -139,7 +139,7 @@ def run(quick: bool = False, model: str = "bundled") -> list[dict]:
     longest = max(len(_request(tok, t, "off", plan.max_tokens).token_ids.ids) for ts in workloads.values() for t in ts)
     bm.require_context("spec", longest + plan.max_tokens, f"its longest prompt ({longest} tokens) and answer")
     print(f"kvmesh bench spec ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
-    threads = str(os.cpu_count() or 1)  # engine and drafter take turns (the engine waits on drafts)
+    threads = str(usable_cores())  # engine and drafter take turns (the engine waits on drafts)
     procs = []
     rows: list[dict] = []
     try:

@@ -45,8 +45,12 @@ def _plan(args: argparse.Namespace):
 def _cmd_down(args: argparse.Namespace) -> int:
     from kvmesh import launcher
 
-    stopped = launcher.down()
+    found = launcher.down()
+    stopped = [name for name, c in found.items() if c.state is launcher.Liveness.RUNNING]
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    for name, c in found.items():
+        if c.note:  # a stale entry (left alone), or an old entry matched by its command line
+            print(f"{name}: {c.state.value}: {c.note}")
     return 0
 
 
@@ -58,14 +62,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("the local stack is not running ('kvmesh up' starts it)")
         return 3
     worst = 0
-    sup = launcher.supervisor_pid()
+    sup, sup_found = launcher.supervisor_pid(), launcher.supervisor_check()
     print(f"{'supervisor':12s} pid {sup:<7d} restarts a service that exits" if sup else
           f"{'supervisor':12s} NOT RUNNING: nothing restarts a service that exits ('kvmesh down; kvmesh up')")
+    if sup_found.note:
+        print(f"  {sup_found.state.value}: {sup_found.note}")
     for p in procs:
-        state = launcher.health(p.address) if launcher.alive(p.pid) else "EXITED"
+        found = p.check()  # by pid, start time and command line: a reused pid is STALE
+        state = launcher.health(p.address) if found.state is launcher.Liveness.RUNNING else found.state.name
         worst = worst or (state != "SERVING")
         restarts = f"  restarts {p.restarts} (last: {p.last_exit})" if p.restarts or p.last_exit else ""
         print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}{restarts}")
+        if found.note:
+            print(f"  {found.state.value}: {found.note}")
         if p.name.startswith("engine") and state == "SERVING":
             for line in _guardrail_lines(p.address):
                 print(line)

@@ -1,7 +1,10 @@
 """Runs the kvmesh topology as local processes: start with readiness waits, stop, status.
 
-State (pids, ports, log paths) lives in `<data dir>/stack.json`; each service logs to
-`<data dir>/logs/<service>.log`. The data directory is $KVMESH_DATA_DIR or ~/.kvmesh.
+State (pids with their start times and command lines, ports, log paths) lives in
+`<data dir>/stack.json`, the supervisor's in `<data dir>/supervisor.json`; each service logs to
+`<data dir>/logs/<service>.log`. The data directory is $KVMESH_DATA_DIR or ~/.kvmesh. A recorded
+pid is signalled only while it is still the recorded process (kvmesh.procid): after pid reuse
+the entry is stale, and `status` and `down` say so and leave the process alone.
 """
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ import json
 import os
 import re
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.model.bundled import BUNDLED_NAME
+from kvmesh import procid
+from kvmesh.procid import Check, Liveness, ProcessIdentity
+from kvmesh.threads import usable_cores
 
 
 def data_dir() -> Path:
@@ -41,6 +46,23 @@ class ServiceProc:
     """Times the supervisor started it again after it exited (kvmesh.supervisor)."""
     last_exit: str = ""
     """How it last exited while the stack was up ('killed by SIGKILL after 12s'), or ''."""
+    start_ticks: int | None = None
+    """Its start time (kvmesh.procid); None in state written by an older kvmesh."""
+    cmdline: tuple[str, ...] = ()
+    """Its command line as started; empty in state written by an older kvmesh."""
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.start_ticks, tuple(self.cmdline))
+
+    def check(self) -> Check:
+        """Whether this service still runs under its pid (RUNNING), exited, or the entry is STALE."""
+        return procid.check(self.identity, self.looks_like)
+
+    def looks_like(self, cmdline: tuple[str, ...]) -> bool:
+        """For an entry without a start time: `python -m kvmesh.services.* ... --port <its port>`."""
+        port = self.address.rpartition(":")[2]
+        return _runs_module(cmdline, "kvmesh.services.") and _flag(cmdline, "--port") == port
 
 
 class LaunchError(RuntimeError):
@@ -53,9 +75,20 @@ def _state_path() -> Path:
 
 def load_state() -> list[ServiceProc]:
     try:
-        return [ServiceProc(**p) for p in json.loads(_state_path().read_text())]
+        entries = json.loads(_state_path().read_text())
     except FileNotFoundError:
         return []
+    return [ServiceProc(**{**p, "cmdline": tuple(p.get("cmdline", ()))}) for p in entries]
+
+
+def _runs_module(cmdline: tuple[str, ...], prefix: str) -> bool:
+    """`cmdline` is `<python> -m <module starting with prefix> ...`."""
+    return len(cmdline) >= 3 and cmdline[1] == "-m" and cmdline[2].startswith(prefix)
+
+
+def _flag(cmdline: tuple[str, ...], name: str) -> str | None:
+    i = cmdline.index(name) if name in cmdline else -1
+    return cmdline[i + 1] if 0 <= i < len(cmdline) - 1 else None
 
 
 def write_json_atomic(path: Path, value) -> None:
@@ -69,13 +102,29 @@ def _supervisor_path() -> Path:
     return data_dir() / "supervisor.json"
 
 
-def supervisor_pid() -> int | None:
-    """The running stack's supervisor process, or None."""
+def supervisor_identity() -> ProcessIdentity | None:
+    """The stack's supervisor as recorded by `up` (None without a record)."""
     try:
-        pid = int(json.loads(_supervisor_path().read_text())["pid"])
+        rec = json.loads(_supervisor_path().read_text())
+        return ProcessIdentity(int(rec["pid"]), rec.get("start_ticks"), tuple(rec.get("cmdline", ())))
     except (FileNotFoundError, ValueError, KeyError):
         return None
-    return pid if alive(pid) else None
+
+
+def supervisor_check() -> Check:
+    """Whether the recorded supervisor runs (EXITED when there is no record)."""
+    rec = supervisor_identity()
+    return Check(Liveness.EXITED) if rec is None else procid.check(rec, _is_supervisor)
+
+
+def supervisor_pid() -> int | None:
+    """The running stack's supervisor process, or None (also when its record is stale)."""
+    rec = supervisor_identity()
+    return rec.pid if rec is not None and supervisor_check().state is Liveness.RUNNING else None
+
+
+def _is_supervisor(cmdline: tuple[str, ...]) -> bool:
+    return _runs_module(cmdline, "kvmesh.supervisor")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,6 +135,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def alive(pid: int) -> bool:
+    """Whether any process has `pid`: for a process this one holds a handle to (a test's
+    `start_service`); a pid read from a file is checked with `ServiceProc.check`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -113,13 +164,14 @@ def start_service(name: str, module: str, args: list[str], port: int, *,
     logs = data_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{name}.log"
+    argv = [sys.executable, "-m", module, "--host", host, "--port", str(port), *args]
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--host", host, "--port", str(port), *args],
-            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
     address = f"{host}:{port}"
-    svc = ServiceProc(name, proc.pid, address, str(log_path))
+    started = ProcessIdentity.started(proc.pid, argv)
+    svc = ServiceProc(name, proc.pid, address, str(log_path), start_ticks=started.start_ticks,
+                      cmdline=started.cmdline)
     deadline = time.monotonic() + ready_timeout_s
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -141,21 +193,11 @@ def start_service(name: str, module: str, args: list[str], port: int, *,
                     raise
 
 
-def stop_service(svc: ServiceProc, timeout_s: float = 20.0) -> bool:
-    """SIGTERM (graceful drain), then SIGKILL after `timeout_s`. True if it was running."""
-    if not alive(svc.pid):
-        return False
-    os.kill(svc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while alive(svc.pid) and time.monotonic() < deadline:
-        try:
-            os.waitpid(svc.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)  # polling another process's exit: no handle to wait on
-    if alive(svc.pid):
-        os.kill(svc.pid, signal.SIGKILL)
-    return True
+def stop_service(svc: ServiceProc, timeout_s: float = 20.0) -> Check:
+    """SIGTERM (graceful drain), then SIGKILL after `timeout_s`, and wait for the exit — only if
+    `svc` still runs under its pid. Returns what was found (RUNNING: it was running and is
+    stopped; STALE: another process has the pid and was left alone)."""
+    return procid.terminate(svc.identity, svc.looks_like, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -221,7 +263,7 @@ class StackPlan:
 def _threads_per_engine(engines: int) -> str:
     # NOTE: torch slows 10-50x when processes together run more OpenMP threads than there are
     # cores. One engine gets all cores; several split them; the other services run one thread.
-    return str(max(1, (os.cpu_count() or 1) // engines))
+    return str(max(1, usable_cores() // engines))
 
 
 @dataclass(frozen=True)
@@ -314,7 +356,7 @@ def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0) -> list[Se
     data directory), the draft service, the engines linked to both, the router over them and the gateway (OpenAI HTTP
     on 127.0.0.1:`ports.http`) — under a supervisor (kvmesh.supervisor) that waits for each to be
     healthy and from then on restarts any that exits. Returns them in start order."""
-    running = [p for p in load_state() if alive(p.pid)]
+    running = [p for p in load_state() if p.check().state is Liveness.RUNNING]
     if running and supervisor_pid() is not None:
         return running
     for p in reversed(running):  # services left without their supervisor: start clean
@@ -327,11 +369,13 @@ def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0) -> list[Se
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / "supervisor.log"
+    argv = [sys.executable, "-m", "kvmesh.supervisor", str(plan_path)]
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "kvmesh.supervisor", str(plan_path)],
-                                stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    write_json_atomic(_supervisor_path(), {"pid": proc.pid, "log": str(log_path)})
+    started = ProcessIdentity.started(proc.pid, argv)
+    write_json_atomic(_supervisor_path(), {"pid": proc.pid, "start_ticks": started.start_ticks,
+                                           "cmdline": argv, "log": str(log_path)})
     assert proc.stdout is not None
     # One line when every service is healthy or one failed to start (each start is bounded by the
     # supervisor's own timeout); EOF if the supervisor itself died.
@@ -349,21 +393,22 @@ def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0) -> list[Se
 def openai_base_url() -> str | None:
     """The running local stack's OpenAI-compatible base URL (None when it is not running)."""
     for p in load_state():
-        if p.url and alive(p.pid):
+        if p.url and p.check().state is Liveness.RUNNING:
             return p.url
     return None
 
 
-def down(timeout_s: float = 120.0) -> list[str]:
+def down(timeout_s: float = 120.0) -> dict[str, Check]:
     """Stops the local stack: the supervisor (which stops its services, each drained, in reverse
-    start order), then any service still running without it. Returns the names that were running."""
+    start order), then any service still running without it; a stale entry (its pid now another
+    process's) is left alone. Returns what each entry was found to be, services in reverse start
+    order, then 'supervisor' if it had a record."""
     procs = load_state()
-    was = [p.name for p in procs if alive(p.pid)]
-    sup = supervisor_pid()
-    if sup is not None:
-        stop_service(ServiceProc("supervisor", sup, "", ""), timeout_s=timeout_s)
+    found = {p.name: p.check() for p in reversed(procs)}  # before the supervisor stops them
+    sup = supervisor_identity()
+    sup_found = procid.terminate(sup, _is_supervisor, timeout_s) if sup is not None else None
     for p in reversed(procs):
         stop_service(p)
     _state_path().unlink(missing_ok=True)
     _supervisor_path().unlink(missing_ok=True)
-    return list(reversed(was))
+    return found | ({"supervisor": sup_found} if sup_found is not None else {})

@@ -5,17 +5,17 @@ while the stack is up, with back-off, and logs why; `kvmesh down` stops it and i
 
 PLAN.json holds the ServiceSpecs (kvmesh.launcher.stack_services) in start order. The
 supervisor starts each and waits until its gRPC health says SERVING, then writes the stack's
-state (kvmesh.launcher's stack.json: pid, address, log, restarts, last exit of each service)
-and one line on stdout, ``ready`` or ``failed: <why>``, which `up` waits for. From then on it
-awaits every child's exit. A service that exits (a crash, the OOM killer, a stray SIGKILL) is
-started again on the same port after a delay (`Backoff`: 1 s doubling to 30 s, back to 1 s
-once a run lasted 60 s), and its exit, the tail of its log and the restart go to the
-supervisor's log and the state, which `kvmesh status` shows. A service that is up but hung (a
-stopped process, a deadlock: its health check goes unanswered `HangWatch.failures` times in a
-row, `interval_s` apart) is killed with SIGKILL and so restarted the same way; its last exit
-says it hung. SIGTERM (from `down`) stops the
+state (kvmesh.launcher's stack.json: pid, start time and command line, address, log,
+restarts, last exit of each service) and one line on stdout, ``ready`` or ``failed: <why>``,
+which `up` waits for. From then on it awaits every child's exit. A service that exits (a
+crash, the OOM killer, a stray SIGKILL) is started again on the same port after a delay
+(`Backoff`: 1 s doubling to 30 s, back to 1 s once a run lasted 60 s), and its exit, the tail
+of its log and the restart go to the supervisor's log and the state, which `kvmesh status`
+shows. A service that is up but hung (a stopped process, a deadlock: its health check goes
+unanswered `HangWatch.failures` times in a row, `interval_s` apart) is killed with SIGKILL and
+so restarted the same way; its last exit says it hung. SIGTERM (from `down`) stops the
 services in reverse start order (each gets SIGTERM, a drain, then SIGKILL) and then the
-supervisor.
+supervisor. Every signal goes through the child's own process handle, never a pid read back.
 
 Clients of a restarted service see it as unreachable for a while: the router routes around a
 dead engine replica, the gateway retries idempotent router calls (kvmesh.services.gateway), and
@@ -37,6 +37,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.procid import Liveness, ProcessIdentity, check
 
 log = logging.getLogger("kvmesh.supervisor")
 
@@ -98,6 +100,8 @@ class _Service:
     spec: dict  # a ServiceSpec as JSON (name, module, args, port, env, http_port)
     log_path: str
     proc: asyncio.subprocess.Process | None = None
+    identity: ProcessIdentity | None = None
+    """The running process as recorded in the state (pid, start time, command line)."""
     started: float = 0.0
     restarts: int = 0
     last_exit: str = ""
@@ -132,18 +136,22 @@ class Supervisor:
         out = []
         for s in self.services:
             http = s.spec.get("http_port")
-            out.append({"name": s.spec["name"], "pid": s.proc.pid if s.proc else 0, "address": s.address,
-                        "log": s.log_path, "url": f"http://127.0.0.1:{http}/v1" if http else "",
-                        "restarts": s.restarts, "last_exit": s.last_exit})
+            ident = s.identity or ProcessIdentity(0)
+            out.append({"name": s.spec["name"], "pid": ident.pid, "start_ticks": ident.start_ticks,
+                        "cmdline": list(ident.cmdline), "address": s.address, "log": s.log_path,
+                        "url": f"http://127.0.0.1:{http}/v1" if http else "", "restarts": s.restarts,
+                        "last_exit": s.last_exit})
         return out
 
     async def _spawn(self, s: _Service) -> None:
         spec = s.spec
+        argv = [sys.executable, "-m", spec["module"], "--host", "127.0.0.1", "--port", str(spec["port"]),
+                *spec["args"]]
         with open(s.log_path, "ab") as out:
             s.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", spec["module"], "--host", "127.0.0.1", "--port", str(spec["port"]),
-                *spec["args"], stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+                *argv, stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, **dict(spec.get("env", ()))}, start_new_session=True)
+        s.identity = ProcessIdentity.started(s.proc.pid, argv)
         s.started = self.clock()
 
     async def _healthy(self, s: _Service) -> None:
@@ -225,6 +233,8 @@ class Supervisor:
                     missed += 1
                     if missed < hang.failures or proc is not s.proc or proc.returncode is not None:
                         continue
+                    if s.identity is None or check(s.identity, lambda _: False).state is not Liveness.RUNNING:
+                        continue  # exited (and its pid perhaps reused) before `_watch` saw it: never kill by pid
                     s.hung = (f" (hung: {missed} health checks unanswered, {err.code().name}; killed by the "
                               "supervisor)")
                     log.warning("%s (pid %d) did not answer %d health checks in a row; killing it",

@@ -2,21 +2,96 @@
 router and the gateway never load torch).
 
 NOTE (why one place). On a small shared CPU, torch running more threads than there are cores
-slows it 10-50x, and "every core" must mean the cores this process may run on (its affinity
-mask, as a container or `taskset` sets it), not the machine's. `set_torch_threads` applies that
-rule; `torch_threads` holds a count for a block (a helper that must not compete with the
-engine's step loop) and restores the caller's afterwards.
+slows it 10-50x, and "every core" must mean the cores this process may actually use, not the
+machine's: its affinity mask (as `taskset` or docker's `cpuset` sets it) and its CPU quota (as
+docker's `cpus:` or systemd's `CPUQuota=` sets it: cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`).
+A quota of 1.5 CPUs on an 8-core machine is 2 threads, not 8. `usable_cores` applies that rule,
+and every automatic thread count (`--threads 0`, the launcher's split between engines, the
+benchmarks) comes from it. `set_torch_threads` applies it to torch; `torch_threads` holds a
+count for a block (a helper that must not compete with the engine's step loop) and restores the
+caller's afterwards.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
 
 
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
+def usable_cores(*, cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
+    """The cores this process may use: its affinity set, capped by its CPU quota rounded up
+    (`quota_cores`); at least 1. The paths are parameters so tests can point them at fake files."""
+    cores = len(os.sched_getaffinity(0))
+    quota = quota_cores(cgroup_root=cgroup_root, self_cgroup=self_cgroup)
+    return max(1, cores if quota is None else min(cores, quota))
+
+
+def quota_cores(*, cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int | None:
+    """The CPU quota of this process's cgroup as whole cores (quota / period rounded up: 1.5 CPUs
+    is 2), or None when no quota limits it. cgroup v2 (`cpu.max`: "150000 100000", or "max
+    100000" for none) when any `cpu.max` is there, else v1 (`cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`, -1 for none). A parent cgroup's quota limits its children too, so the
+    process's cgroup and every one above it up to `cgroup_root` count, and the smallest wins
+    (in a container the root is usually the container's own cgroup)."""
+    v2_path, v1_path = _own_cgroups(self_cgroup)
+    v2 = [f for d in _up_to(cgroup_root, v2_path) if (f := d / "cpu.max").is_file()]
+    if v2:
+        limits = [_ratio(*fields) if len(fields := _read(f).split()) == 2 else None for f in v2]
+    else:
+        v1_root = next((d for d in (cgroup_root / "cpu", cgroup_root / "cpu,cpuacct") if d.is_dir()), None)
+        if v1_root is None:
+            return None
+        limits = [_ratio(_read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us"))
+                  for d in _up_to(v1_root, v1_path)]
+    found = [n for n in limits if n is not None]
+    return min(found) if found else None
+
+
+def _own_cgroups(self_cgroup: Path) -> tuple[str, str]:
+    """This process's cgroup v2 path and v1 `cpu` controller path ('/' when not listed)."""
+    v2 = v1 = "/"
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return v2, v1
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            v2 = path
+        elif "cpu" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _up_to(root: Path, path: str) -> list[Path]:
+    """`root/path` and each folder above it up to `root`, those that exist. In a container the
+    path names the cgroup as the host sees it, which is not there: the root alone is read."""
+    parts = [p for p in path.split("/") if p and p != ".."]
+    dirs = [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _ratio(quota: str, period: str) -> int | None:
+    """ceil(quota / period) in whole cores; None for no quota ("max", -1) or unreadable values."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    if q <= 0 or p <= 0:
+        return None
+    return -(-q // p)
 
 
 def set_torch_threads(n: int) -> int:

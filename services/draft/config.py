@@ -28,7 +28,7 @@ class DraftConfig:
         0, "Draft with only the first N decoder layers (early exit); 0 = all. Small models lose "
            "their output quality fast (SmolLM2-135M: garbage at 20 of 30 layers).", min=0)
     device: str = setting("cpu", "Torch device of the draft model: cpu, cuda, cuda:N.")
-    threads: int = setting(1, "Torch intra-op threads of the draft model; 0 = all cores.", min=0)
+    threads: int = setting(1, "Torch intra-op threads of the draft model; 0 = the cores this process may use (CPU set and cgroup quota).", min=0)
     target_model: str = setting(
         "", "Weights digest of the model the drafts are for (the engines' GetModelInfo "
             "weights_digest); requests naming another get FAILED_PRECONDITION. Empty = the draft "

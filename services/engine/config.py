@@ -23,7 +23,7 @@ class EngineConfig:
     weights: str = setting("auto", "Weight format: auto (a GGUF model on CPU in float32: gguf, the file's own blocks; otherwise the compute dtype), fp32, bf16, weight-only int8/int4, or int4-w8a8 (int4 for one- and two-row matmuls, int8 weights x int8 activations for larger ones and the output projection: faster batches and prefill, +1% perplexity), or gguf (GGUF models only: the file's own quantized blocks run as they are, exact with respect to the file up to float rounding).", choices=("auto", "fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf"))
     num_layers: int = setting(0, "Serve only the first N decoder layers (early exit: then the final norm and lm_head), e.g. a cheap cascade tier of the same weights; 0 = all. Its KV namespace differs from the full model's.", min=0)
     device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N.")
-    threads: int = setting(0, "Torch intra-op threads; 0 = all cores. In a multi-process stack give the busy engine the cores.", min=0)
+    threads: int = setting(0, "Torch intra-op threads; 0 = the cores this process may use (its CPU set, capped by its cgroup CPU quota). In a multi-process stack give the busy engine the cores.", min=0)
     block_size: int = setting(16, "Tokens per paged-KV block.", min=1, max=1024)
     kv_cache_bytes: int = setting(1024 * MiB, "Byte budget of the paged KV pool (never exceeded). Ignored when num_blocks > 0.", min=1)
     num_blocks: int = setting(0, "Paged KV pool size in blocks; 0 derives it from kv_cache_bytes.", min=0)

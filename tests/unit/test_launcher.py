@@ -12,7 +12,7 @@ def _args(spec) -> dict[str, str]:
 
 
 def test_default_plan_is_one_engine_behind_router_and_gateway(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("kvmesh.launcher.usable_cores", lambda: 2)
     specs = stack_services(StackPlan(), Path("/data"))
     assert [s.name for s in specs] == ["kvcache", "draft", "engine", "router", "gateway"]
     kv, draft, engine, router, gateway = specs
@@ -28,7 +28,7 @@ def test_default_plan_is_one_engine_behind_router_and_gateway(monkeypatch):
 
 
 def test_replicas_and_cascade_split_the_cores_and_configure_the_router(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("kvmesh.launcher.usable_cores", lambda: 4)
     plan = StackPlan(ports=StackPorts(engine=6000), replicas=2, cascade=True,
                      engine_args=("--dtype", "float32"), router_args=("--policy", "round_robin"))
     specs = {s.name: s for s in stack_services(plan, Path("/d"))}

@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.launcher import alive, free_port
+from kvmesh.procid import ProcessIdentity
 from kvmesh.supervisor import Backoff, HangWatch, Supervisor, exit_reason
 
 
@@ -53,6 +54,9 @@ async def test_a_killed_service_is_restarted_on_its_port_and_the_state_says_why(
     await sup.start_all()
     first = states[-1][0]
     assert (first["restarts"], first["last_exit"], first["address"]) == (0, "", f"127.0.0.1:{port}")
+    live = ProcessIdentity.of(first["pid"])  # the state records what `kvmesh down` verifies
+    assert (first["start_ticks"], first["cmdline"]) == (live.start_ticks, list(live.cmdline))
+    assert first["cmdline"][1:5] == ["-m", "kvmesh.services.router", "--host", "127.0.0.1"]
     runner = asyncio.ensure_future(sup.run())
     try:
         os.kill(first["pid"], signal.SIGKILL)
