@@ -22,6 +22,7 @@ BENCHES: dict[str, str] = {
     "blend": "kvmesh.loadtest.blend_bench",
     "quality": "kvmesh.loadtest.quality_bench",
     "loadgen": "kvmesh.loadtest.loadgen_bench",
+    "gpu": "kvmesh.loadtest.gpu_bench",
 }
 
 BUNDLED_ONLY: dict[str, str] = {
@@ -36,6 +37,8 @@ BUNDLED_ONLY: dict[str, str] = {
 NO_MODEL: dict[str, str] = {
     "loadgen": "it measures the load harness itself against a stub server that answers at once; "
                "point `kvmesh loadtest --url` at a stack serving your model instead",
+    "gpu": "it measures kvmesh.gpu's Triton kernels on synthetic KV of fixed head shapes (SmolLM2-135M's "
+           "and a 32/8/128 one); the kernels' speed does not depend on the weights",
 }
 """Benchmarks that load no model at all, and why."""
 

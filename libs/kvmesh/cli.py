@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     docs.set_defaults(fn=_cmd_docs)
 
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality | loadgen")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality | loadgen | gpu")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
     bench.add_argument("--model", default="bundled",
                        help="the model to measure: 'bundled' (SmolLM2-135M-Instruct), a .gguf file or a Hugging "

@@ -4,5 +4,5 @@ Public API (what the KV service and the engine use):
     CODECS, CodecSpec, ChunkMeta, BlobHeader, encode, decode, read_header,
     CorruptBlob, NamespaceMismatch                      -- kvmesh.kv.codec
     chunk keys and namespaces                           -- kvmesh.kv.keys
-    quantize, dequantize, pack, unpack                  -- kvmesh.kv.kivi (tensor ops only)
+    quantize, dequantize, pack, unpack, channel_order   -- kvmesh.kv.kivi (tensor ops only)
 """

@@ -377,7 +377,7 @@ def _quantize_keys(x: torch.Tensor, bits: int, group: int, outliers: int) -> lis
     width = xc.amax(-1) - xc.amin(-1)  # [L, H, D]
     mask = torch.zeros(L, H, D, dtype=torch.uint8, device=x.device)
     mask.scatter_(-1, width.topk(outliers, dim=-1).indices, 1)
-    order = _channel_order(mask)  # [L, H, D]: plain channels, then outliers (each ascending)
+    order = kivi.channel_order(mask)  # [L, H, D]: plain channels, then outliers (each ascending)
     xs = xc.gather(2, order[..., None].expand(L, H, D, Q))
     parts = [kivi.pack(mask, 1)]
     for lo, hi, b in ((0, D - outliers, bits), (D - outliers, D, min(8, 2 * bits))):
@@ -407,14 +407,9 @@ def _dequantize_keys(sections, shape: tuple[int, int, int, int], bits: int, grou
         gshape = (L, H * n, -(-Q // group))
         xs.append(kivi.dequantize(codes.view(L, H * n, Q), scale.view(gshape), zero.view(gshape), group)
                   .view(L, H, n, Q))
-    order = _channel_order(mask)
+    order = kivi.channel_order(mask)
     x = torch.empty(L, H, D, Q, device=order.device).scatter_(2, order[..., None].expand(L, H, D, Q), torch.cat(xs, dim=2))
     return x.permute(0, 3, 1, 2)
-
-
-def _channel_order(mask: torch.Tensor) -> torch.Tensor:
-    """Channel indices ``[L, H, D]`` with the unmarked channels first, then the marked ones."""
-    return torch.argsort(mask, dim=-1, stable=True)
 
 
 def _dequantize_part(sections, shape: tuple[int, int, int, int], bits: int, group: int,
