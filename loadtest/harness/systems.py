@@ -28,6 +28,7 @@ from typing import Optional
 import httpx
 
 from kvmesh import launcher
+from kvmesh.threads import usable_cores
 
 SYSTEMS = ("kvmesh", "kvmesh-blend", "kvmesh-noreuse", "llamacpp-server")
 KNOWN = (*SYSTEMS, "kvmesh-slo")
@@ -71,7 +72,7 @@ def _llama_server(parallel: int, per_slot: int) -> Iterator[str]:
     binary = llama_server_path()
     if binary is None:
         raise SystemExit(f"kvmesh loadtest: llama-server is not built; run `{BUILD_HINT}`")
-    port, threads = launcher.free_port(), str(os.cpu_count() or 1)
+    port, threads = launcher.free_port(), str(usable_cores())
     log = open(os.path.join(tempfile.mkdtemp(prefix="llama-server-"), "server.log"), "wb")
     proc = subprocess.Popen([str(binary), "-m", str(bundled_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
                              "-t", threads, "-tb", threads, "--parallel", str(parallel), "-c", str(parallel * per_slot),
