@@ -33,6 +33,33 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def online_softmax_step(s, v, pos, q_pos, scale_log2, m_i, l_i, acc, IEEE_DOT: tl.constexpr):
+    """One tile of keys in flash attention's online softmax: scores `s` [BLOCK_M, TILE_N] (causal
+    by `pos` against each row's `q_pos`) and values `v` [TILE_N, BLOCK_D] folded into the running
+    max `m_i` (base-2 logits), denominator `l_i` and unnormalised output `acc`. Shared by the
+    paged kernels over plain and quantized KV."""
+    s = tl.where(pos[None, :] <= q_pos[:, None], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def store_output(out_ptr, acc, l_i, seq, row, head, offs_d, mask, stride_os, stride_or, stride_oh):
+    """The normalised output of one (sequence, KV head) tile when the context was not split."""
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + seq * stride_os + row[:, None] * stride_or + head[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, parts_ptr, num_parts, scale_log2,
         stride_qs, stride_qr, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -78,23 +105,10 @@ def _paged_decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [BLOCK_M, TILE_N], fp32
-        s = tl.where(pos[None, :] <= q_pos[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, pos, q_pos, scale_log2, m_i, l_i, acc, IEEE_DOT)
     store = m_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_os + row[:, None] * stride_or + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=store)
+        store_output(out_ptr, acc, l_i, seq, row, head, offs_d, store, stride_os, stride_or, stride_oh)
     else:
         part = ((seq * Q_ROWS + row) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(parts_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store)  # acc first: aligned

@@ -50,7 +50,14 @@ import triton.language as tl
 
 from kvmesh.gpu import kv_codec
 from kvmesh.gpu.kv_import import _split_bytes
-from kvmesh.gpu.paged_attention import _LOG2E, _merge_splits_kernel, default_splits, paged_decode_attention_ref
+from kvmesh.gpu.paged_attention import (
+    _LOG2E,
+    _merge_splits_kernel,
+    default_splits,
+    online_softmax_step,
+    paged_decode_attention_ref,
+    store_output,
+)
 from kvmesh.kv import kivi
 
 
@@ -188,23 +195,10 @@ def _quantized_decode_kernel(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)  # [BLOCK_M, TILE_N], fp32
-        s = tl.where(pos[None, :] <= q_pos[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, pos, q_pos, scale_log2, m_i, l_i, acc, IEEE_DOT)
     store = m_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_os + row[:, None] * stride_or + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=store)
+        store_output(out_ptr, acc, l_i, seq, row, head, offs_d, store, stride_os, stride_or, stride_oh)
     else:
         part = ((seq * Q_ROWS + row) * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(parts_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store)
