@@ -35,7 +35,8 @@ def _plan(args: argparse.Namespace):
 
     return launcher.StackPlan(
         ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
-                                  engine=args.engine_port, kvcache=args.kvcache_port, draft=args.draft_port),
+                                  engine=args.engine_port, kvcache=args.kvcache_port, draft=args.draft_port,
+                                  metrics=args.metrics_port),
         replicas=args.replicas, cascade=args.cascade, engine_args=tuple(args.engine_arg),
         kvcache_args=tuple(args.kvcache_arg), draft_args=tuple(args.draft_arg), router_args=tuple(args.router_arg),
         gateway_args=tuple(args.gateway_arg), model=args.model, served_name=args.served_model_name or "",
@@ -72,7 +73,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         state = launcher.health(p.address) if found.state is launcher.Liveness.RUNNING else found.state.name
         worst = worst or (state != "SERVING")
         restarts = f"  restarts {p.restarts} (last: {p.last_exit})" if p.restarts or p.last_exit else ""
-        print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}{restarts}")
+        metrics = f"  metrics {p.metrics}" if p.metrics else ""
+        print(f"{p.name:12s} pid {p.pid:<7d} {p.address:22s} {state:12s} {p.url}{metrics}{restarts}")
         if found.note:
             print(f"  {found.state.value}: {found.note}")
         if p.name.startswith("engine") and state == "SERVING":
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                       ("kvcache", 50071), ("draft", 50091)):
         up.add_argument(f"--{svc}-port", type=int, default=port,
                         help=f"{svc} port" + (" (OpenAI API)" if svc == "http" else " (gRPC)"))
+    up.add_argument("--metrics-port", type=int, default=0,
+                    help="Prometheus /metrics of every service but the gateway (whose /metrics is on --http-port): "
+                         "0 (default) gives each a free port, listed by `kvmesh status`; N gives them N, N+1, ... "
+                         "in start order; -1 turns them off")
     up.add_argument("--otlp-endpoint", help="export every service's traces by OTLP/gRPC to this host:port "
                                            "(e.g. a local collector or Jaeger on 127.0.0.1:4317)")
     up.set_defaults(fn=_cmd_up)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -50,6 +50,8 @@ class ServiceProc:
     """Its start time (kvmesh.procid); None in state written by an older kvmesh."""
     cmdline: tuple[str, ...] = ()
     """Its command line as started; empty in state written by an older kvmesh."""
+    metrics: str = ""
+    """Where its Prometheus metrics are scraped (http://HOST:PORT/metrics), or '' if it exports none."""
 
     @property
     def identity(self) -> ProcessIdentity:
@@ -211,6 +213,10 @@ class StackPorts:
     engine: int = 50061
     kvcache: int = 50071
     draft: int = 50091
+    metrics: int = 0
+    """Prometheus /metrics of every service but the gateway (which serves /metrics on `http`): 0
+    gives each a free port, chosen at `up` and listed by `kvmesh status`; N gives them N, N+1, ...
+    in start order; -1 turns them off."""
 
 
 _NAME = re.compile(r"^[A-Za-z0-9._:/-]+$")  # what the router accepts as a tier name
@@ -276,6 +282,8 @@ class ServiceSpec:
     port: int
     env: tuple[tuple[str, str], ...] = ()
     http_port: int | None = None
+    metrics_port: int | None = None
+    """Its Prometheus /metrics port (passed as --metrics-port), None when it exports none there."""
 
 
 def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
@@ -310,7 +318,22 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
                              ("--model", plan.model, *template, "--router-address", f"127.0.0.1:{ports.router}",
                               "--http-port", str(ports.http), *plan.gateway_args),
                              ports.gateway, one_thread, http_port=ports.http))
-    return specs
+    return _with_metrics(specs, ports.metrics)
+
+
+def _with_metrics(specs: list[ServiceSpec], base: int) -> list[ServiceSpec]:
+    """Every spec but the gateway's (its /metrics is on its HTTP port) with a --metrics-port:
+    consecutive from `base`, free ports when `base` is 0, none when it is -1."""
+    if base < 0:
+        return specs
+    out, i = [], 0
+    for s in specs:
+        if s.http_port is None:
+            port = base + i if base else free_port()
+            i += 1
+            s = replace(s, args=(*s.args, "--metrics-port", str(port)), metrics_port=port)
+        out.append(s)
+    return out
 
 
 def draft_flags(plan: StackPlan) -> tuple[str, ...]:

@@ -97,7 +97,7 @@ class HangWatch:
 
 @dataclass
 class _Service:
-    spec: dict  # a ServiceSpec as JSON (name, module, args, port, env, http_port)
+    spec: dict  # a ServiceSpec as JSON (name, module, args, port, env, http_port, metrics_port)
     log_path: str
     proc: asyncio.subprocess.Process | None = None
     identity: ProcessIdentity | None = None
@@ -137,10 +137,12 @@ class Supervisor:
         for s in self.services:
             http = s.spec.get("http_port")
             ident = s.identity or ProcessIdentity(0)
+            metrics = s.spec.get("metrics_port") or http
             out.append({"name": s.spec["name"], "pid": ident.pid, "start_ticks": ident.start_ticks,
                         "cmdline": list(ident.cmdline), "address": s.address, "log": s.log_path,
                         "url": f"http://127.0.0.1:{http}/v1" if http else "", "restarts": s.restarts,
-                        "last_exit": s.last_exit})
+                        "last_exit": s.last_exit,
+                        "metrics": f"http://127.0.0.1:{metrics}/metrics" if metrics else ""})
         return out
 
     async def _spawn(self, s: _Service) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import psutil
 import pytest
 
@@ -58,6 +59,9 @@ def test_up_status_chat_down(tmp_path):
         assert status.returncode == 0, status.stdout
         assert status.stdout.count("SERVING") == 5, status.stdout   # kvcache, draft, engine, router, gateway
         assert "restarts a service that exits" in status.stdout  # the supervisor's line
+        assert status.stdout.count("/metrics") == 5, status.stdout  # every service's scrape URL
+        engine_metrics = _state(env, "engine")["metrics"]
+        assert "kvmesh_engine_" in httpx.get(engine_metrics, timeout=30).text
         # The router dies: the supervisor starts it again on its port, and the gateway's calls
         # wait for it. The chat below goes through the restarted router.
         router = _state(env, "router")

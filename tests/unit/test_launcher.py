@@ -41,3 +41,17 @@ def test_replicas_and_cascade_split_the_cores_and_configure_the_router(monkeypat
                                  "cheap=127.0.0.1:6002@0.6")
     assert router["--cascades"] == "auto=cheap,smollm2-135m-instruct"
     assert router["--policy"] == "round_robin"
+
+
+def test_every_service_but_the_gateway_gets_a_metrics_port(monkeypatch):
+    monkeypatch.setattr("kvmesh.launcher.usable_cores", lambda: 2)
+    plan = StackPlan(replicas=2, ports=StackPorts(metrics=9400))
+    specs = stack_services(plan, Path("/d"))
+    ported = [(s.name, s.metrics_port, _args(s).get("--metrics-port")) for s in specs]
+    assert ported == [("kvcache", 9400, "9400"), ("draft", 9401, "9401"), ("engine-0", 9402, "9402"),
+                      ("engine-1", 9403, "9403"), ("router", 9404, "9404"), ("gateway", None, None)]
+    free = stack_services(StackPlan(), Path("/d"))  # the default, 0: a free port each
+    ports = [s.metrics_port for s in free if s.name != "gateway"]
+    assert len(set(ports)) == 4 and all(p > 0 for p in ports)
+    off = stack_services(StackPlan(ports=StackPorts(metrics=-1)), Path("/d"))
+    assert all(s.metrics_port is None and "--metrics-port" not in s.args for s in off)

@@ -7,6 +7,7 @@ import os
 import signal
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,9 +29,10 @@ def test_exit_reasons_name_the_signal_or_the_code():
     assert exit_reason(3) == "exited with code 3"
 
 
-def _router(port: int) -> dict:
-    return {"name": "router", "module": "kvmesh.services.router", "args": ["--tiers", "m=127.0.0.1:1@1.0"],
-            "port": port, "env": [["OMP_NUM_THREADS", "1"]]}
+def _router(port: int, metrics_port: int | None = None) -> dict:
+    metrics = ["--metrics-port", str(metrics_port)] if metrics_port else []
+    return {"name": "router", "module": "kvmesh.services.router", "args": ["--tiers", "m=127.0.0.1:1@1.0", *metrics],
+            "port": port, "env": [["OMP_NUM_THREADS", "1"]], "metrics_port": metrics_port}
 
 
 async def _serving(address: str) -> bool:
@@ -50,9 +52,13 @@ async def test_a_killed_service_is_restarted_on_its_port_and_the_state_says_why(
         if state[0]["restarts"] == 1 and "restart" not in state[0]["last_exit"]:
             restarted.set()
 
-    sup = Supervisor([_router(port)], tmp_path, save, ready_timeout_s=60, backoff=Backoff(base_s=0.0))
+    metrics_port = free_port()
+    sup = Supervisor([_router(port, metrics_port)], tmp_path, save, ready_timeout_s=60, backoff=Backoff(base_s=0.0))
     await sup.start_all()
     first = states[-1][0]
+    assert first["metrics"] == f"http://127.0.0.1:{metrics_port}/metrics"  # what `kvmesh status` lists
+    async with httpx.AsyncClient() as client:
+        assert "kvmesh_router" in (await client.get(first["metrics"], timeout=30)).text
     assert (first["restarts"], first["last_exit"], first["address"]) == (0, "", f"127.0.0.1:{port}")
     live = ProcessIdentity.of(first["pid"])  # the state records what `kvmesh down` verifies
     assert (first["start_ticks"], first["cmdline"]) == (live.start_ticks, list(live.cmdline))
