@@ -33,6 +33,27 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_query_tile(q_ptr, seq, kvh, seq_len, stride_qs, stride_qr, stride_qh, Q_ROWS: tl.constexpr,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """The query tile of one (sequence, KV head): tile row = query row * GROUP + head within the
+    group. Returns each tile row's query row, head and validity, the head-dim offsets and their
+    validity, q [BLOCK_M, BLOCK_D] and each row's position (the last Q_ROWS of the sequence).
+    Shared by the paged kernels over plain and quantized KV."""
+    offs_m = tl.arange(0, BLOCK_M)
+    row = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    m_valid = offs_m < Q_ROWS * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + row[:, None] * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return row, head, m_valid, offs_d, d_valid, q, seq_len - Q_ROWS + row
+
+
+@triton.jit
 def online_softmax_step(s, v, pos, q_pos, scale_log2, m_i, l_i, acc, IEEE_DOT: tl.constexpr):
     """One tile of keys in flash attention's online softmax: scores `s` [BLOCK_M, TILE_N] (causal
     by `pos` against each row's `q_pos`) and values `v` [TILE_N, BLOCK_D] folded into the running
@@ -72,17 +93,8 @@ def _paged_decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
-    offs_m = tl.arange(0, BLOCK_M)  # tile row = query row * GROUP + head within the group
-    row = offs_m // GROUP
-    head = kvh * GROUP + offs_m % GROUP
-    m_valid = offs_m < Q_ROWS * GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + row[:, None] * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    if UPCAST:
-        q = q.to(tl.float32)
-    q_pos = seq_len - Q_ROWS + row  # [BLOCK_M]
+    row, head, m_valid, offs_d, d_valid, q, q_pos = load_query_tile(
+        q_ptr, seq, kvh, seq_len, stride_qs, stride_qr, stride_qh, Q_ROWS, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, UPCAST)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE_N))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

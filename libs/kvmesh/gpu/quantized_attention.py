@@ -54,6 +54,7 @@ from kvmesh.gpu.paged_attention import (
     _LOG2E,
     _merge_splits_kernel,
     default_splits,
+    load_query_tile,
     online_softmax_step,
     paged_decode_attention_ref,
     store_output,
@@ -133,17 +134,8 @@ def _quantized_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
     q_len = tl.load(qlens_ptr + seq)
-    offs_m = tl.arange(0, BLOCK_M)
-    row = offs_m // GROUP
-    head = kvh * GROUP + offs_m % GROUP
-    m_valid = offs_m < Q_ROWS * GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + row[:, None] * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    if UPCAST:
-        q = q.to(tl.float32)
-    q_pos = seq_len - Q_ROWS + row
+    row, head, m_valid, offs_d, d_valid, q, q_pos = load_query_tile(
+        q_ptr, seq, kvh, seq_len, stride_qs, stride_qr, stride_qh, Q_ROWS, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, UPCAST)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE_N))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
