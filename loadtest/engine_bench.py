@@ -66,7 +66,15 @@ class Prompts:
 
 # ---- kvmesh (gRPC service process) -----------------------------------------------------------
 
-async def _one(stub, ids: list[int], max_tokens: int):
+BENCH_SCHEMA = ('{"type": "object", "required": ["items"], "properties": {"items": {"type": "array", '
+                '"minItems": 64, "items": {"type": "object", "required": ["id", "name"], "properties": '
+                '{"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "name": {"type": "string", '
+                '"maxLength": 12}}, "additionalProperties": false}}}, "additionalProperties": false}')
+"""The JSON schema of the structured-output row: 64 items at least, so that no output can end
+before max_tokens and the row compares the same token counts as the unconstrained one."""
+
+
+async def _one(stub, ids: list[int], max_tokens: int, json_schema: str = ""):
     """Streams one request; returns (t_start, t_first_token, t_end, n_tokens)."""
     from kvmesh.common.v1 import common_pb2
     from kvmesh.engine.v1 import engine_pb2
@@ -74,6 +82,8 @@ async def _one(stub, ids: list[int], max_tokens: int):
     req = engine_pb2.GenerateRequest(
         token_ids=common_pb2.TokenIds(ids=ids),
         sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    if json_schema:
+        req.sampling.structured_output.json_schema = json_schema
     t0 = time.perf_counter()
     first = None
     n = 0
@@ -107,15 +117,27 @@ async def _kvmesh_workload(address: str, prompts: Prompts, plan: Plan, proc: psu
             rows.append(row("ttft_s", statistics.mean(ttfts), "s", system="kvmesh", prompt_tokens=p))
             rss = max(rss, proc.memory_info().rss)
         for c in plan.concurrency:
-            reqs = [prompts.take(plan.conc_prompt) for _ in range(c)]
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*[_one(stub, r, plan.conc_tokens) for r in reqs])
-            wall = time.perf_counter() - t0
-            total = sum(r[3] for r in results)
-            rows.append(row("throughput_tok_s", total / wall, "tok/s", system="kvmesh", concurrency=c))
+            rate = await _throughput(stub, prompts, plan, c)
+            rows.append(row("throughput_tok_s", rate, "tok/s", system="kvmesh", concurrency=c))
             rss = max(rss, proc.memory_info().rss)
+        # Structured output at the largest concurrency: grammar masks for the whole batch every step.
+        c = max(plan.concurrency)
+        await _one(stub, prompts.take(16), 4, BENCH_SCHEMA)  # warm-up: the grammar tokenizer's build
+        plain, constrained = await _throughput(stub, prompts, plan, c), await _throughput(stub, prompts, plan, c,
+                                                                                        BENCH_SCHEMA)
+        rows.append(row("throughput_tok_s", constrained, "tok/s", system="kvmesh", concurrency=c,
+                        output="json_schema"))
+        rows.append(row("json_schema_vs_plain", constrained / plain, "x", system="kvmesh", concurrency=c))
     rows.append(row("rss_bytes", float(rss), "bytes", system="kvmesh"))
     return rows
+
+
+async def _throughput(stub, prompts: Prompts, plan: Plan, c: int, json_schema: str = "") -> float:
+    """Tokens per second of `c` concurrent requests of the plan's size."""
+    reqs = [prompts.take(plan.conc_prompt) for _ in range(c)]
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[_one(stub, r, plan.conc_tokens, json_schema) for r in reqs])
+    return sum(r[3] for r in results) / (time.perf_counter() - t0)
 
 
 def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: str = "kvmesh") -> list[dict]:

@@ -24,9 +24,15 @@ class WordEmbedder:
     texts sharing words are similar. ``calls`` counts embedded texts."""
 
     dim = 384
+    name = "word-embedder"
+    max_tokens = 64
+    """Texts of more words are refused by Embed, as the real model refuses too many tokens."""
 
     def __init__(self) -> None:
         self.calls = 0
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        return [len(t.split()) for t in texts]
 
     def embed(self, texts: list[str]) -> np.ndarray:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)

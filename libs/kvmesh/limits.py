@@ -31,6 +31,21 @@ prompt. Within the KV service's MAX_SEARCH_K, since a retrieval is one Search.""
 MAX_SEARCH_K = 1000
 """Most hits one KV-service Search returns (its proto's SearchRequest.k)."""
 
+MAX_EMBED_TEXTS = 2048
+"""Most texts one embeddings request (the gateway's /v1/embeddings, the KV service's Embed) may
+carry, as OpenAI's API allows."""
+
 MAX_DRAFT_TOKENS = 16
 """Most draft tokens the engine may be configured to verify per sequence and step; the draft
 service's default --max-draft-tokens accepts that many, so an engine at this bound is not refused."""
+
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range): -100 bans a token
+in practice, 100 makes it all but certain."""
+
+MAX_CONSTRAINT_CHARS = 65536
+"""Longest structured-output specification (JSON schema text, regex, grammar, all choices
+together) in characters: each one is compiled at admission."""

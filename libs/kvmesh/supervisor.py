@@ -6,8 +6,10 @@ while the stack is up, with back-off, and logs why; `kvmesh down` stops it and i
 PLAN.json holds the ServiceSpecs (kvmesh.launcher.stack_services) in start order. The
 supervisor starts each and waits until its gRPC health says SERVING, then writes the stack's
 state (kvmesh.launcher's stack.json: pid, start time and command line, address, log,
-restarts, last exit of each service) and one line on stdout, ``ready`` or ``failed: <why>``,
-which `up` waits for. From then on it awaits every child's exit. A service that exits (a
+restarts, last exit of each service) and its answer on stdout, which `up` reads and shows: a line
+``healthy <name> <address> <seconds>`` as each service reports SERVING, then ``ready``, or, when
+one fails to start, ``log <line>`` for each of the last lines that service wrote in this run
+(its own error message) and ``failed: <why>``. From then on it awaits every child's exit. A service that exits (a
 crash, the OOM killer, a stray SIGKILL) is started again on the same port after a delay
 (`Backoff`: 1 s doubling to 30 s, back to 1 s once a run lasted 60 s), and its exit, the tail
 of its log and the restart go to the supervisor's log and the state, which `kvmesh status`
@@ -71,12 +73,13 @@ def exit_reason(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def log_tail(path: str, lines: int = 5, max_bytes: int = 8192) -> str:
-    """The last lines of a service's log (what it said before it died)."""
+def log_tail(path: str, lines: int = 5, max_bytes: int = 8192, start: int = 0) -> str:
+    """The last lines of a service's log (what it said before it died), from byte `start` on
+    (where this run of it began writing)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
+            f.seek(max(start, f.tell() - max_bytes))
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
@@ -110,10 +113,20 @@ class _Service:
     """Why the hang watch killed the running process ("" if it did not)."""
     up: bool = False
     """The running process reported SERVING since it started (only then is it watched for hangs)."""
+    log_start: int = 0
+    """Size of the log when the running process started: what it wrote begins there."""
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.spec['port']}"
+
+
+class StartFailed(RuntimeError):
+    """A service did not come up at start; `tail` is what it wrote to its log in that run."""
+
+    def __init__(self, message: str, tail: str) -> None:
+        super().__init__(message)
+        self.tail = tail
 
 
 class Supervisor:
@@ -150,6 +163,7 @@ class Supervisor:
         argv = [sys.executable, "-m", spec["module"], "--host", "127.0.0.1", "--port", str(spec["port"]),
                 *spec["args"]]
         with open(s.log_path, "ab") as out:
+            s.log_start = out.seek(0, os.SEEK_END)
             s.proc = await asyncio.create_subprocess_exec(
                 *argv, stdout=out, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, **dict(spec.get("env", ()))}, start_new_session=True)
@@ -173,12 +187,20 @@ class Supervisor:
             if not exited.done():
                 exited.cancel()
 
-    async def start_all(self) -> None:
+    async def start_all(self, progress: Callable[[str], None] = lambda line: None) -> None:
+        """Starts every service in order, each once the one before is healthy; `progress` gets a
+        ``healthy`` line for each. StartFailed (with the service's log tail) when one does not
+        come up."""
         for s in self.services:
+            begun = self.clock()
             await self._spawn(s)
-            await self._healthy(s)
+            try:
+                await self._healthy(s)
+            except RuntimeError as err:
+                raise StartFailed(str(err), log_tail(s.log_path, lines=10, start=s.log_start)) from None
             s.up = True
             log.info("%s started (pid %d, %s)", s.spec["name"], s.proc.pid, s.address)
+            progress(f"healthy {s.spec['name']} {s.address} {self.clock() - begun:.1f}")
         self.save_state(self.state())
 
     async def _watch(self, s: _Service) -> None:
@@ -297,10 +319,12 @@ async def main_async(plan_path: Path, data: Path, state_path: Path) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, sup.stopping.set)
     try:
-        await sup.start_all()
-    except RuntimeError as err:
+        await sup.start_all(progress=_say)
+    except StartFailed as err:
         log.error("start failed: %s", err)
         await sup.stop_all(grace_s=5.0)
+        for line in err.tail.splitlines():
+            _say(f"log {line}")
         _tell(f"failed: {err}")
         return 1
     _tell("ready")
@@ -310,14 +334,22 @@ async def main_async(plan_path: Path, data: Path, state_path: Path) -> int:
     return 0
 
 
-def _tell(line: str) -> None:
-    """The one line `up` waits for, then stdout is closed (the supervisor outlives `up`)."""
+def _say(line: str) -> None:
+    """One line of the start's progress for `up` (see the module docstring)."""
     try:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
-        os.close(sys.stdout.fileno())
     except OSError:
         pass  # `up` went away: nobody to tell
+
+
+def _tell(line: str) -> None:
+    """The last line `up` waits for, then stdout is closed (the supervisor outlives `up`)."""
+    _say(line)
+    try:
+        os.close(sys.stdout.fileno())
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

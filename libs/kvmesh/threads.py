@@ -115,3 +115,19 @@ def torch_threads(n: int) -> Iterator[int]:
         yield set_torch_threads(n)
     finally:
         torch.set_num_threads(before)
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """A CPU list as taskset and cgroups write it ("0", "0-3,8") -> the CPU numbers; ValueError
+    naming what is wrong."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        first, dash, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last if dash else first)
+        except ValueError:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not N or N-M; write e.g. 0 or 0-3,8") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not an ascending range of CPU numbers")
+        cpus.update(range(lo, hi + 1))
+    return cpus

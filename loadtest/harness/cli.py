@@ -144,6 +144,10 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
                 summary = dataclasses.replace(summary, metrics_hit_rate=(after[0] - before[0]) / (after[1] - before[1]))
             levels.append((params, summary))
             print(table([(params, summary)]).splitlines()[1], file=sys.stderr, flush=True)
+            for cls in sorted({r.tags.get("class") for r in records} - {None}):  # e.g. mixed: short, long
+                part = ({**params, "class": cls}, summarize([r for r in records if r.tags.get("class") == cls], slo))
+                levels.append(part)
+                print(table([part]).splitlines()[1], file=sys.stderr, flush=True)
     return levels
 
 

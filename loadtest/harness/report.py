@@ -50,7 +50,8 @@ def table(levels: list[tuple[dict, Summary]]) -> str:
     lines = [header]
     for params, s in levels:
         load = f"{params['rate']:g}/s" if params.get("rate") is not None else f"c={params.get('concurrency')}"
-        cells = [str(params.get("system", "")), str(params.get("workload", "")), load,
+        workload = str(params.get("workload", "")) + (f":{params['class']}" if params.get("class") else "")
+        cells = [str(params.get("system", "")), workload, load,
                  f"{s.completed}/{s.requests}", _f(s.request_throughput, 2), _f(s.output_throughput, 0),
                  _f(s.goodput, 2) if s.goodput is not None else "-"]
         for key, _ in LATENCIES:
@@ -78,7 +79,8 @@ def plot(levels: list[tuple[dict, Summary]], path: str, slo: Optional[str] = Non
     for params, s in levels:
         if params.get("rate") is None:
             continue
-        series.setdefault(f"{params.get('system', '')} · {params.get('workload', '')}", []).append((params["rate"], s))
+        workload = str(params.get("workload", "")) + (f" ({params['class']})" if params.get("class") else "")
+        series.setdefault(f"{params.get('system', '')} · {workload}", []).append((params["rate"], s))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for label, points in sorted(series.items()):
         points.sort(key=lambda p: p[0])

@@ -136,6 +136,7 @@ async def run_level(target: Target, requests: list[LoadRequest], *, rate: Option
             messages = history.get(req.session, []) + req.messages if req.session else req.messages
             record = await send(client, target, req, messages, clock, timeout_s)
             record.scheduled = start + at if at is not None else None
+            record.tags = req.tags
             records.append(record)
             if req.session:
                 history[req.session] = messages + [{"role": "assistant", "content": record.text}]

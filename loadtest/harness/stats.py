@@ -42,6 +42,8 @@ class Record:
     """The Retry-After header of a shed request."""
     scheduled: Optional[float] = None
     """When the schedule said to send it (open loop); `sent` - `scheduled` is the harness's lag."""
+    tags: dict = field(default_factory=dict)
+    """The workload's tags of the request (LoadRequest.tags; "class" splits the report)."""
 
     @property
     def ok(self) -> bool:

@@ -12,6 +12,10 @@ while it is measured), on the bundled GGUF:
                    concurrent request, its prompt cache on (its default: its own KV reuse)
   kvmesh-slo       the default stack with SLO-aware admission on (the gateway's --slo-ttft-s =
                    the TTFT bound of --slo, 2 s without one); not in the default --compare set
+  kvmesh-pd        prefill/decode disaggregation: `kvmesh up --pd 1:1 --pin-engines`, one prefill
+                   and one decode engine, each pinned to its share of the cores
+  kvmesh-2x        its colocated baseline: `kvmesh up --replicas 2 --pin-engines`, two whole-request
+                   engines on the same cores (kvmesh-pd and kvmesh-2x: not in the default set)
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from kvmesh import launcher
 from kvmesh.threads import usable_cores
 
 SYSTEMS = ("kvmesh", "kvmesh-blend", "kvmesh-noreuse", "llamacpp-server")
-KNOWN = (*SYSTEMS, "kvmesh-slo")
+KNOWN = (*SYSTEMS, "kvmesh-slo", "kvmesh-pd", "kvmesh-2x")
 BLEND = {"kvmesh": {"lossy": {"recompute_ratio": 0.15}}}
 
 
@@ -49,12 +53,13 @@ def _kvmesh(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def _stack(engine_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = ()) -> Iterator[str]:
+def _stack(engine_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = (),
+           up_args: tuple[str, ...] = ()) -> Iterator[str]:
     data = tempfile.mkdtemp(prefix="kvmesh-loadtest-")
     env = {**os.environ, "KVMESH_DATA_DIR": data}
     http = launcher.free_port()
     ports = [f"--{svc}-port={launcher.free_port()}" for svc in ("gateway", "router", "engine", "kvcache", "draft")]
-    up = _kvmesh("up", f"--http-port={http}", *ports, *(f"--engine-arg={a}" for a in engine_args),
+    up = _kvmesh("up", f"--http-port={http}", *ports, *up_args, *(f"--engine-arg={a}" for a in engine_args),
                  *(f"--gateway-arg={a}" for a in gateway_args), env=env)
     if up.returncode != 0:
         raise SystemExit(f"kvmesh loadtest: the stack did not start: {up.stderr.strip()}")
@@ -105,6 +110,12 @@ def serving(system: str, *, parallel: int = 16, per_slot: int = 4096, slo_ttft_s
             yield Served(url, BLEND if system == "kvmesh-blend" else None)
     elif system == "kvmesh-slo":
         with _stack(gateway_args=(f"--slo-ttft-s={slo_ttft_s:g}",)) as url:
+            yield Served(url)
+    elif system == "kvmesh-pd":
+        with _stack(up_args=("--pd=1:1", "--pin-engines")) as url:
+            yield Served(url)
+    elif system == "kvmesh-2x":
+        with _stack(up_args=("--replicas=2", "--pin-engines")) as url:
             yield Served(url)
     elif system == "kvmesh-noreuse":
         with _stack(("--enable-prefix-caching=false", "--kvcache-address=")) as url:

@@ -34,7 +34,7 @@ water river stone light north wind field house music bread glass metal paper gar
 island valley forest harbor bridge tower letter number question answer story method system signal energy
 """.split())
 
-WORKLOADS = ("random", "shared-prefix", "multiturn", "rag", "trace")
+WORKLOADS = ("random", "shared-prefix", "multiturn", "rag", "mixed", "trace")
 
 
 @dataclass
@@ -115,6 +115,25 @@ def rag(n: int, *, seed: int, variant: int = 0, pool: int = 12, doc_words: int =
     return out
 
 
+def mixed(n: int, *, seed: int, variant: int = 0, long_every: int = 8, long_words: int = 3000,
+          short_words: int = 40, max_tokens: int = 64) -> list[LoadRequest]:
+    """Many short chats with a long prompt (about 4,000 tokens: a pasted document to summarise)
+    every `long_every` requests, starting with a short one; no two prompts share a prefix. The
+    workload of prefill/decode disaggregation: a long prefill stalls every decode beside it.
+    Requests are tagged {"class": "long"|"short"}, and the report gives each class its own
+    line as well."""
+    rng = random.Random(f"{seed}/{variant}")
+    out = []
+    for i in range(n):
+        if i % long_every == long_every - 1:
+            text = f"Summarise this text. {_words(rng, long_words)}"
+            out.append(LoadRequest([{"role": "user", "content": text}], max_tokens, tags={"class": "long"}))
+        else:
+            out.append(LoadRequest([{"role": "user", "content": _question(rng, short_words)}], max_tokens,
+                                   tags={"class": "short"}))
+    return out
+
+
 def inline_documents(messages: list[dict], documents: tuple[str, ...]) -> list[dict]:
     """The request with its documents written into the last user message, each followed by a
     blank line, at its start: where kvmesh's gateway places `documents` (so both targets see the
@@ -171,7 +190,8 @@ def make(name: str, n: int, *, seed: int, max_tokens: int, trace: Optional[str] 
         if not trace:
             raise ValueError("the trace workload needs --trace FILE (Mooncake JSONL)")
         return read_trace(trace, max_tokens_cap=max_tokens, limit=n)
-    makers = {"random": random_prompts, "shared-prefix": shared_prefix, "multiturn": multiturn, "rag": rag}
+    makers = {"random": random_prompts, "shared-prefix": shared_prefix, "multiturn": multiturn, "rag": rag,
+              "mixed": mixed}
     if name not in makers:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if sessions is not None:

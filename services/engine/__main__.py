@@ -1,6 +1,7 @@
 """`python -m kvmesh.services.engine`: the engine service process (wiring only)."""
 from __future__ import annotations
 
+import os
 import sys
 
 from kvmesh.allocator import keep_freed_memory
@@ -11,17 +12,21 @@ from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.metrics import EngineMetrics
 from kvmesh.services.engine.servicer import EngineServicer, model_info
 from kvmesh.telemetry import Telemetry
+from kvmesh.threads import parse_cpu_list
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 
 async def build(cfg: EngineConfig, telemetry: Telemetry) -> Service:
     keep_freed_memory()
+    if cfg.cpus:  # before any thread starts: torch's pool then counts these cores
+        os.sched_setaffinity(0, parse_cpu_list(cfg.cpus))
     engine = build_async_engine(cfg)
-    EngineMetrics(telemetry.registry).instrument(engine)
+    metrics = EngineMetrics(telemetry.registry)
+    metrics.instrument(engine)
     if engine.core.kv is not None:
         await engine.core.kv.warm_up()
-    servicer = EngineServicer(engine, model_info(engine.core, cfg))
+    servicer = EngineServicer(engine, model_info(engine.core, cfg), on_handoff=metrics.record_handoff)
 
     async def close() -> None:
         engine.shutdown()

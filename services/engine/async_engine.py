@@ -54,6 +54,7 @@ from kvmesh.prompt_parts import Part
 from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.ingest import IngestRequest, IngestResult, ingest_document
 from kvmesh.services.engine.outputs import EngineLoad, EngineRequest, ProbeResult, RequestOutput
+from kvmesh.services.engine.kv_transfer import Handoff
 from kvmesh.services.engine.prepare import GenerateInput, RequestPreparer
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
@@ -123,13 +124,15 @@ class AsyncEngine:
                        speculation: Optional[SpecMode] = None, parts: Optional[list[Part]] = None,
                        recompute_ratio: Optional[float] = None,
                        quality_budget: QualityBudget = QualityBudget(),
-                       resume_token_ids: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
+                       resume_token_ids: tuple[int, ...] = (),
+                       kv_handoff: Optional[Handoff] = None) -> AsyncIterator[RequestOutput]:
         """Validates and queues a request, then yields its outputs until the final one (see
         GenerateInput for the arguments). With a KV-cache service configured, the prompt's
         cached prefix or documents are fetched first, while the step loop keeps serving other
         requests; that never fails the request."""
         inp = GenerateInput(prompt_token_ids, params, request_id, tenant_salt, kv_codec, speculation, parts,
-                            recompute_ratio, quality_budget=quality_budget, resume_token_ids=resume_token_ids)
+                            recompute_ratio, quality_budget=quality_budget, resume_token_ids=resume_token_ids,
+                            kv_handoff=kv_handoff)
         async for out in self.submit(inp):
             yield out
 

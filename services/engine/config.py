@@ -1,6 +1,7 @@
 """Engine configuration: flags and KVMESH_ENGINE_* environment variables, frozen after start."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -8,21 +9,23 @@ from kvmesh.config import ConfigError, setting
 from kvmesh.model.bundled import BUNDLED_NAME, names_gguf
 from kvmesh.limits import MAX_DRAFT_TOKENS
 from kvmesh.rpc.server import ServerSettings
+from kvmesh.threads import parse_cpu_list
 
 MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine service needs to start; see `kvmesh-engine --help`."""
+    """Everything the engine service needs to start; see `python -m kvmesh.services.engine --help`."""
 
     server: ServerSettings = ServerSettings(port=50061)
     model: str = setting("bundled", "Model source: 'bundled' (SmolLM2-135M-Instruct GGUF), a .gguf path, or a Hugging Face checkpoint folder, of a Llama (2, 3, 3.1+), Mistral or Qwen2 (2.5) model; other architectures are refused naming these.")
-    served_name: str = setting("", "Model name reported to clients; empty = derived from --model: smollm2-135m-instruct for the bundled model, else --model as given (as vLLM). `kvmesh up` sets it to --served-model-name, else derives it the same way.")
+    served_model_name: str = setting("", "Model name reported to clients (vLLM's flag); empty = derived from --model: smollm2-135m-instruct for the bundled model, else --model as given (as vLLM). `kvmesh up` passes its own --served-model-name, else derives it the same way.", aliases=("served_name",))
     dtype: str = setting("float32", "Compute dtype.", choices=("float32", "bfloat16"))
     weights: str = setting("auto", "Weight format: auto (a GGUF model on CPU in float32: gguf, the file's own blocks; otherwise the compute dtype), fp32, bf16, weight-only int8/int4, or int4-w8a8 (int4 for one- and two-row matmuls, int8 weights x int8 activations for larger ones and the output projection: faster batches and prefill, +1% perplexity), or gguf (GGUF models only: the file's own quantized blocks run as they are, exact with respect to the file up to float rounding).", choices=("auto", "fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf"))
     num_layers: int = setting(0, "Serve only the first N decoder layers (early exit: then the final norm and lm_head), e.g. a cheap cascade tier of the same weights; 0 = all. Its KV namespace differs from the full model's.", min=0)
     device: str = setting("cpu", "Torch device: cpu, cuda, cuda:N.")
+    cpus: str = setting("", "Pin the engine process to these CPUs (a list as taskset takes it: 0, 0-3,8) before its threads start; --threads 0 then counts them. Empty = not pinned. `kvmesh up --pin-engines` gives each engine its own.")
     threads: int = setting(0, "Torch intra-op threads; 0 = the cores this process may use (its CPU set, capped by its cgroup CPU quota). In a multi-process stack give the busy engine the cores.", min=0)
     block_size: int = setting(16, "Tokens per paged-KV block.", min=1, max=1024)
     kv_cache_bytes: int = setting(1024 * MiB, "Byte budget of the paged KV pool (never exceeded). Ignored when num_blocks > 0.", min=1)
@@ -33,6 +36,7 @@ class EngineConfig:
     max_waiting: int = setting(1024, "Queue cap; requests beyond it get RESOURCE_EXHAUSTED.", min=1)
     enable_prefix_caching: bool = setting(True, "Reuse full KV blocks of identical prompt prefixes inside the engine.")
     kvcache_address: Optional[str] = setting(None, "host:port of the KV-cache service; unset = in-engine prefix cache only.")
+    role: str = setting("both", "Prefill/decode disaggregation: the part of a request this engine is for, reported in GetModelInfo. prefill: P/D prefill hops (GenerateRequest.kv_handoff: the prompt's KV is stored in the KV-cache service, so it needs --kvcache-address); decode: their decode hops, which import that KV; both (the default): whole requests. The router's tier spec marks replicas the same way (HOST:PORT/prefill, HOST:PORT/decode); any engine still serves whole requests when the router falls back to colocated serving.", choices=("both", "prefill", "decode"))
     kv_chunk_tokens: int = setting(256, "Tokens per KV chunk stored in the KV-cache service (a multiple of block_size).", min=16)
     kv_codec: str = setting("auto", "Codec of exported chunks: auto (the default) stores the engine's KV dtype as is, so a cache hit gives the same tokens as no cache; fp16, bf16 (lossy from float32), int8, int4 and int2 are lossy and opt-in: their KV is kept in a namespace of its own and never serves a request that did not ask for it.", choices=("auto", "fp32", "fp16", "bf16", "int8", "int4", "int2"))
     kv_zstd: bool = setting(True, "zstd-compress exported chunks.")
@@ -74,14 +78,26 @@ class EngineConfig:
         if self.kv_chunk_tokens % self.block_size:
             raise ConfigError(f"--kv-chunk-tokens ({self.kv_chunk_tokens}) must be a multiple of --block-size "
                               f"({self.block_size}), e.g. {self.block_size * max(1, self.kv_chunk_tokens // self.block_size)}")
+        if self.cpus:
+            try:
+                cpus = parse_cpu_list(self.cpus)
+            except ValueError as err:
+                raise ConfigError(f"--cpus: {err}") from None
+            missing = cpus - os.sched_getaffinity(0)
+            if missing:
+                raise ConfigError(f"--cpus {self.cpus}: CPU(s) {sorted(missing)} are not available to this process "
+                                  f"(it may use {sorted(os.sched_getaffinity(0))})")
+        if self.role == "prefill" and not self.kvcache_address:
+            raise ConfigError("--role prefill hands its prompts' KV to decode engines through the KV-cache "
+                              "service: set --kvcache-address (KVMESH_ENGINE_KVCACHE_ADDRESS)")
         if self.weights == "fp32" and self.dtype != "float32":
             raise ConfigError("--weights fp32 needs --dtype float32; use --weights auto to follow the dtype")
 
     @property
     def model_name(self) -> str:
-        """The served name: `served_name`, else derived from `model` as `kvmesh up` derives it."""
-        if self.served_name:
-            return self.served_name
+        """The served name: `served_model_name`, else derived from `model` as `kvmesh up` derives it."""
+        if self.served_model_name:
+            return self.served_model_name
         return BUNDLED_NAME if self.model == "bundled" else self.model
 
     @property

@@ -37,9 +37,10 @@ from kvmesh.services.engine.draft_client import DraftClient
 from kvmesh.services.engine.guardrail import Guardrail, GuardTicket, ShadowCheck
 from kvmesh.services.engine.kv_connector import KvConnector
 from kvmesh.services.engine.kv_transfer import KvTransfer
+from kvmesh.services.engine.logits import LogitsProcessor, Processing, RowContext
 from kvmesh.services.engine.outputs import (EngineLoad, EngineRequest, ProbeResult, RequestOutput, Timeline,
                                             Usage)
-from kvmesh.services.engine.runner import ModelRunner, PromptLogprobsChunk
+from kvmesh.services.engine.runner import DraftLogits, ModelRunner, PromptLogprobsChunk
 from kvmesh.services.engine.sampler import Draws, Sampler, TokenLogprobs, make_draws
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.scheduler import Scheduler, SchedulerConfig
@@ -48,6 +49,7 @@ from kvmesh.services.engine.shadow import ShadowChecker
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage
 from kvmesh.services.engine.speculator import SpecConfig, Speculator
 from kvmesh.services.engine.stop import StopStringMatcher, check_stop
+from kvmesh.services.engine.structured import GrammarState, StructuredOutput, check_grammar
 from kvmesh.services.engine.tracing import trace_guard_check
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ class _State:
     """guard.served_lossy: the raw logits [vocab] the sampler saw for each output token (capped)."""
     trace_context: Optional[object] = None
     """EngineRequest.trace_context: a shadow check's span joins the request's trace."""
+    grammar: Optional[GrammarState] = None
+    """The request's structured-output state (None: free text); advanced by `_emit`."""
 
 
 class EngineCore:
@@ -96,6 +100,8 @@ class EngineCore:
         self.sched_config = sched_config
         self.sampler = Sampler()
         self.eos_token_ids = tuple(loaded.config.eos_token_ids)
+        self.logits_processor = LogitsProcessor(self.eos_token_ids)
+        self.structured = StructuredOutput(loaded.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         self.kv_transfer = KvTransfer(kv, runner.read_kv) if kv is not None else None
         self.speculator = Speculator(drafts, self.scheduler, spec) if drafts is not None else None
         self.blender = Blender(loaded.model, self.scheduler, blend)
@@ -145,6 +151,8 @@ class EngineCore:
             raise InvalidArgument(
                 f"prompt token id {bad[0]} is outside the vocabulary (size {vocab}); "
                 "tokenize with this model's tokenizer")
+        if params.constraint is not None:
+            check_grammar(params.constraint)
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, req: EngineRequest) -> Optional[RequestOutput]:
@@ -165,7 +173,8 @@ class EngineCore:
         state = _State(
             seq=seq, detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
             matcher=StopStringMatcher(req.params.stop), draws=make_draws(req.params), timeline=timeline,
-            storage=namespace.storage, fallback=req.fallback, guard=req.guard, trace_context=req.trace_context)
+            storage=namespace.storage, fallback=req.fallback, guard=req.guard, trace_context=req.trace_context,
+            grammar=self.structured.start(req.params.constraint) if req.params.constraint is not None else None)
         done = self._replay(state, req.resume_token_ids)
         if done is not None:
             return done
@@ -191,12 +200,14 @@ class EngineCore:
         seq = state.seq
         for token in tokens:
             seq.append_token(token)
-            reason = check_stop(seq, token, self.eos_token_ids)
+            reason, complete = self._check_stop(state, token)
             _, hit = state.matcher.feed("" if reason == "stop" else state.detok.step([token]))
-            if hit is None and reason is not None and reason != "stop":
+            if hit is None and (complete or reason is not None) and reason != "stop":
                 _, hit = state.matcher.feed(state.detok.flush())
             if hit is not None:
                 reason, stop_reason = FinishReason.STOP_STRING, hit
+            elif complete:
+                reason, stop_reason = FinishReason.STOP, ""
             elif reason is not None:
                 reason, stop_reason = FinishReason(reason), str(token) if reason == "stop" else ""
             else:
@@ -281,15 +292,48 @@ class EngineCore:
             self._capture_guard_rows(states, result.logits)
             sampled = self.sampler(result.logits, [s.params for s in result.seqs],
                                    [st.draws.at(st.seq.num_output_tokens) if st.draws is not None else None
-                                    for st in states])
+                                    for st in states], self._processing(states))
             lps = sampled.logprobs
             outputs += [self._emit(st.seq, [t], [lps[i]] if lps[i] is not None else [])
                         for i, (st, t) in enumerate(zip(states, sampled.token_ids))]
         if self.speculator is not None:
             draws = [self._states[d.seq.request_id].draws for d in result.drafts]
-            outputs += self.speculator.verify(result.drafts, draws, self._emit)
+            outputs += self.speculator.verify(result.drafts, draws, self._emit, self._draft_processing(result.drafts))
             self.speculator.end_step(sum(len(o.token_ids) for o in outputs))
         return outputs
+
+    def _processing(self, states: list[_State]) -> Optional[Processing]:
+        """The logits processing of one sampled row per state (None when no request asks for any):
+        each row's history, and the grammar masks of the constrained ones, computed together."""
+        if not any(st.seq.params.processes_logits for st in states):
+            return None
+        contexts = [RowContext(st.seq.params, st.seq.prompt_token_ids, st.seq.output_token_ids) for st in states]
+        return Processing(self.logits_processor, contexts, self.structured.masks([st.grammar for st in states]))
+
+    def _draft_processing(self, rows: list[DraftLogits]) -> Optional[Processing]:
+        """The logits processing of every verified row (k + 1 per sequence): row j of a sequence
+        sees its output plus drafts[:j], and the grammar mask after them (structured's NOTE)."""
+        if not any(r.seq.params.processes_logits for r in rows):
+            return None
+        contexts, masks = [], []
+        for r in rows:
+            seq, drafts = r.seq, list(r.draft_token_ids)
+            contexts += [RowContext(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:j])
+                         for j in range(len(drafts) + 1)]
+            mask = self.structured.draft_masks(self._states[seq.request_id].grammar, drafts)
+            masks.append(mask if mask is not None
+                         else torch.ones(len(drafts) + 1, self.structured.vocab_size, dtype=torch.bool))
+        allowed = torch.cat(masks) if any(self._states[r.seq.request_id].grammar for r in rows) else None
+        return Processing(self.logits_processor, contexts, allowed)
+
+    def _check_stop(self, state: _State, token: int) -> tuple[Optional[FinishReason], bool]:
+        """(check_stop's reason, whether the token completes the request's structured output),
+        for a token already appended; a constrained request's grammar advances over it."""
+        reason = check_stop(state.seq, token, self.eos_token_ids)
+        if state.grammar is None or reason is FinishReason.STOP:
+            return reason, False
+        state.grammar.advance([token])
+        return reason, state.grammar.finished
 
     def _capture_guard_rows(self, states: list[_State], logits: torch.Tensor) -> None:
         """Keeps the logits row of each shadow-checked sequence's next token (logits [N, vocab],
@@ -363,14 +407,14 @@ class EngineCore:
             seq.append_token(token)
             out.token_ids.append(token)
             out.logprobs += logprobs[i:i + 1]
-            reason = check_stop(seq, token, self.eos_token_ids)
+            reason, complete = self._check_stop(state, token)
             # Stop/eos tokens end the request but are not part of the text.
             text_piece = "" if reason == "stop" else state.detok.step([token])
             emit, hit = state.matcher.feed(text_piece)
             out.text += emit
             if hit is not None:
                 return self._finish(state, out, FinishReason.STOP_STRING, hit)
-            if reason is not None:
+            if reason is not None or complete:
                 tail = state.detok.flush() if reason != "stop" else ""
                 emit_tail, hit = state.matcher.feed(tail)
                 if hit is not None:
@@ -378,7 +422,9 @@ class EngineCore:
                     return self._finish(state, out, FinishReason.STOP_STRING, hit)
                 out.text += emit_tail + state.matcher.flush()
                 stop_reason = str(token) if reason == "stop" else ""
-                return self._finish(state, out, FinishReason(reason), stop_reason)
+                # A completed structured output stopped on its own, even on its last allowed token.
+                return self._finish(state, out, FinishReason.STOP if complete else FinishReason(reason),
+                                    stop_reason)
         return out
 
     def _finish(self, state: _State, out: RequestOutput, reason: FinishReason, stop_reason: str) -> RequestOutput:

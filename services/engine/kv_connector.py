@@ -20,13 +20,14 @@ NOTE (where the work happens, and why nothing here can fail a request).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from opentelemetry import context as otel_context
@@ -34,13 +35,16 @@ from opentelemetry.context import Context
 
 from kvmesh.errors import Unavailable
 from kvmesh.kv import codec
-from kvmesh.kv.keys import prefix_keys
+from kvmesh.kv.keys import prefix_keys, tail_key
 from kvmesh.kv.namespace import EXACT, NAMESPACE_BYTES, KvLayout, KvNamespace
 from kvmesh.kv.rope import rotate_keys, unrotate_keys
 from kvmesh.model.llama import RotaryEmbedding
 from kvmesh.services.engine.hot_chunks import HotChunks
 from kvmesh.services.engine.kvcache_client import KvcacheClient, KvcacheWriter
 from kvmesh.threads import set_torch_threads
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.kv_transfer import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,12 @@ class KvPlan:
     start: int = 0  # sequence position of the first token `kv` covers (whole chunks)
     tokens: int = 0  # end position of what `kv` covers (whole blocks)
     spec: codec.CodecSpec | None = None  # codec for this prompt's exports (None = the deployment's)
+    handoff: Optional["Handoff"] = None
+    """A P/D prefill hop: export chunk by chunk as computed, and report when stored (kv_transfer)."""
+    tail_key: Optional[bytes] = None
+    """The key of the prompt's trailing partial chunk (kvmesh.kv.keys.tail_key), None when the
+    prompt ends on a chunk boundary: a P/D prefill hop stores it, a decode hop fetches it."""
+    tail_present: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,10 @@ class ExportJob:
     """Called on the export thread once the job's chunks are stored (True) or given up (False)."""
     trace_context: Optional[Context] = None
     """The request's OpenTelemetry context: its Puts become spans of the request's trace."""
+    on_stored: Optional[Callable[[int], None]] = None
+    """Called on the export thread with the byte size of each chunk it stored."""
+    urgent: bool = False
+    """A P/D handoff's chunk, which a decode hop waits for: stored before queued jobs that are not."""
 
 
 @dataclass
@@ -160,7 +174,11 @@ class KvConnector:
         # Two single-threaded decoders: a fetch decodes two chunks at a time (a prompt's TTFT
         # waits on it), each without an OpenMP team of its own.
         self._codec_pool = ThreadPoolExecutor(2, "kv-codec", initializer=_single_thread_torch)
-        self._exports: queue.Queue[ExportJob | None] = queue.Queue(config.max_export_queue)
+        # (priority, order, job): a P/D handoff's chunks (priority 0) go before other exports, which
+        # nobody waits for; None (priority 2) ends the export thread after what is queued
+        self._exports: queue.PriorityQueue[tuple[int, int, ExportJob | None]] = \
+            queue.PriorityQueue(config.max_export_queue)
+        self._export_order = itertools.count()
         self._export_thread = threading.Thread(target=self._export_loop, name="kv-export", daemon=True)
         self._export_thread.start()
         self.hot = HotChunks(config.hot_bytes)
@@ -200,16 +218,19 @@ class KvConnector:
         if len(prompt) < chunk:
             return None
         keys = prefix_keys(prompt, chunk, namespace.digest())
-        plan = KvPlan(namespace, keys, [False] * len(keys), spec=spec)
+        plan = KvPlan(namespace, keys, [False] * len(keys), spec=spec,
+                      tail_key=tail_key(prompt, chunk, namespace.digest(), keys))
         t0 = time.perf_counter()
         try:
             self.stats.lookups += 1
-            found = await self.client.lookup(keys, chunk)
-            plan.present = found.present
+            # the tail key rides on the same Lookup (the service counts it as one more chunk)
+            found = await self.client.lookup(keys + ([plan.tail_key] if plan.tail_key else []), chunk)
+            plan.present = found.present[:len(keys)]
+            plan.tail_present = plan.tail_key is not None and found.prefix_chunks > len(keys)
             t_lookup = time.perf_counter()
             first = local_tokens // chunk
-            if fetch and found.prefix_chunks > first:
-                t_streamed = await self._fetch(plan, prompt, first, found.prefix_chunks)
+            if fetch and min(found.prefix_chunks, len(keys)) > first:
+                t_streamed = await self._fetch(plan, prompt, first, min(found.prefix_chunks, len(keys)))
                 # Whole blocks only, and never the last prompt token: it is computed for logits.
                 plan.tokens = min(plan.tokens, (len(prompt) - 1) // self.block_size * self.block_size)
         except Unavailable as err:
@@ -223,22 +244,27 @@ class KvConnector:
         return plan
 
     async def _fetch(self, plan: KvPlan, prompt: list[int], first: int, n: int) -> float:
-        """Streams chunks first..n-1 and decodes each on the codec thread as soon as it has
-        arrived (decode overlaps the transfer), straight into one destination tensor. Returns
-        when the stream ended (perf_counter), for the log."""
+        """Streams chunks first..n-1 (and the prompt's tail after the last full chunk, when all
+        are there and the service holds it) and decodes each on the codec thread as soon as it
+        has arrived (decode overlaps the transfer), straight into one destination tensor.
+        Returns when the stream ended (perf_counter), for the log."""
         chunk = self.config.chunk_tokens
-        shape = self._shape((n - first) * chunk)
+        keys = plan.keys[first:n]
+        spans = [((first + i) * chunk, (first + i + 1) * chunk) for i in range(len(keys))]
+        if plan.tail_present and n == len(plan.keys):
+            keys.append(plan.tail_key)
+            spans.append((n * chunk, len(prompt)))
+        shape = self._shape(spans[-1][1] - spans[0][0])
         dest = (torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
         loop = asyncio.get_running_loop()
         decodes: list[asyncio.Future] = []
         ns = plan.namespace.digest()
-        async for blob in self.client.get(plan.keys[first:n]):
+        async for blob in self.client.get(keys):
             if blob is None:
                 break  # evicted since Lookup, or damaged in transit: import what came before it
-            i = len(decodes)
-            pos = (first + i) * chunk
+            a, b = spans[len(decodes)]
             decodes.append(loop.run_in_executor(
-                self._codec_pool, self._decode_into, blob, prompt[pos:pos + chunk], ns, dest, i * chunk, pos))
+                self._codec_pool, self._decode_into, blob, prompt[a:b], ns, dest, a - spans[0][0], a))
         streamed = time.perf_counter()
         ok = 0
         for i, fut in enumerate(decodes):  # in order: the prefix ends at the first bad chunk
@@ -246,14 +272,18 @@ class KvConnector:
                 ok += 1
         if ok < len(decodes):
             self.stats.bad_blobs += 1
-            plan.present[first + ok] = False
+            if first + ok < len(plan.keys):
+                plan.present[first + ok] = False
+            else:
+                plan.tail_present = False
             try:
-                await self.client.delete([plan.keys[first + ok]])
+                await self.client.delete([keys[ok]])
             except Unavailable:
                 pass
         if ok:
-            plan.kv = (dest[0][:, :ok * chunk], dest[1][:, :ok * chunk])
-            plan.start, plan.tokens = first * chunk, (first + ok) * chunk
+            covered = spans[ok - 1][1] - spans[0][0]
+            plan.kv = (dest[0][:, :covered], dest[1][:, :covered])
+            plan.start, plan.tokens = spans[0][0], spans[ok - 1][1]
             self.stats.fetched_chunks += ok
         return streamed
 
@@ -339,7 +369,7 @@ class KvConnector:
     def submit_export(self, job: ExportJob) -> None:
         """Queues chunks for storing; never blocks (drops the job when the queue is full)."""
         try:
-            self._exports.put_nowait(job)
+            self._exports.put_nowait((0 if job.urgent else 1, next(self._export_order), job))
         except queue.Full:
             self.stats.export_dropped += len(job.keys)
             if job.on_done is not None:
@@ -349,7 +379,7 @@ class KvConnector:
         set_torch_threads(1)
         writer = KvcacheWriter(self.config.address)  # each Put a CLIENT span under its request
         chunk = self.config.chunk_tokens
-        while (job := self._exports.get()) is not None:
+        while (job := self._exports.get()[2]) is not None:
             ok = True
             token = otel_context.attach(job.trace_context or Context())
             ns = job.namespace.digest()
@@ -361,6 +391,8 @@ class KvConnector:
                                         job.positioned)
                     writer.put(key, blob, job.namespace)
                     self.stats.exported_chunks += 1
+                    if job.on_stored is not None:
+                        job.on_stored(len(blob))
                 except Unavailable as err:
                     self.stats.export_failures += len(job.keys) - i
                     log.warning("KV export failed (%s); dropping %d chunks", err, len(job.keys) - i)
@@ -385,7 +417,7 @@ class KvConnector:
 
     async def close(self) -> None:
         """Finishes queued exports, then closes channels and threads."""
-        self._exports.put(None)
+        self._exports.put((2, next(self._export_order), None))
         await asyncio.get_running_loop().run_in_executor(None, self._export_thread.join, 30)
         self._codec_pool.shutdown(wait=False)
         await self.client.close()

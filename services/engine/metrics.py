@@ -21,6 +21,7 @@ from kvmesh.metrics import metric_name
 from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.core import EngineCore, RequestOutput
 from kvmesh.services.engine.guardrail import GuardReport
+from kvmesh.services.engine.kv_transfer import HandoffResult
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
@@ -88,6 +89,20 @@ class EngineMetrics:
         self.blend_recomputed = counter(
             "blend_recomputed_tokens",
             "Blended tokens recomputed to restore cross-attention (recomputed_tokens).")
+        self.pd_handoffs = counter(
+            "pd_handoffs", "P/D prefill hops (GenerateRequest.kv_handoff) by outcome: ok (every "
+            "chunk stored) or incomplete (the decode hop computes the rest).", ("outcome",))
+        for outcome in ("ok", "incomplete"):
+            self.pd_handoffs.labels(outcome)
+        self.pd_handoff_tokens = counter(
+            "pd_handoff_tokens", "Prompt tokens whose KV P/D prefill hops left in the KV-cache service.")
+        self.pd_handoff_bytes = counter(
+            "pd_handoff_bytes", "Bytes P/D prefill hops stored in the KV-cache service (compressed chunks).")
+        self.pd_handoff_wait = histogram(
+            "pd_handoff_wait_seconds",
+            "Per P/D prefill hop: the prompt's last computed token to its last chunk stored (what the "
+            "transfer adds to the prefill; earlier chunks are stored while later ones compute).",
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
         self.guard_check = histogram(
             "guard_check_seconds",
             "Duration of one guardrail shadow check (run in an idle step; not in step_seconds).", _LAT)
@@ -104,6 +119,13 @@ class EngineMetrics:
         collector = CoreCollector(core)
         self.registry.register(collector)
         return collector
+
+    def record_handoff(self, result: HandoffResult) -> None:
+        """One P/D prefill hop's transfer (EngineServicer.on_handoff)."""
+        self.pd_handoffs.labels("ok" if result.ok else "incomplete").inc()
+        self.pd_handoff_tokens.inc(result.tokens)
+        self.pd_handoff_bytes.inc(result.bytes)
+        self.pd_handoff_wait.observe(result.wait_s)
 
     def record_finished(self, out: RequestOutput) -> None:
         """A request that finished in a step, with its usage."""

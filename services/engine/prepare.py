@@ -22,6 +22,7 @@ from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.documents import DocumentExports, check_parts, plan_documents, resolve
 from kvmesh.services.engine.guardrail import GuardTicket, LossyPath
 from kvmesh.services.engine.kv_connector import KvPlan
+from kvmesh.services.engine.kv_transfer import Handoff
 from kvmesh.services.engine.outputs import EngineRequest
 from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
@@ -55,6 +56,10 @@ class GenerateInput:
     resume_token_ids: tuple[int, ...] = ()
     """Request migration: output tokens another engine generated (and its client received);
     this engine continues after them."""
+    kv_handoff: Optional[Handoff] = None
+    """A P/D prefill hop (GenerateRequest.kv_handoff): the prompt's full chunks are stored in the
+    KV-cache service as they are computed, and this hears when they are (failed at once when the
+    prompt cannot be handed off: no KV service, no full chunk, documents)."""
 
 
 class RequestPreparer:
@@ -134,6 +139,11 @@ class RequestPreparer:
                 fetch_span.set_attributes({"kvmesh.kv.fetched_tokens": _fetched(plan),
                                            "kvmesh.kv.document_tokens": blend.cached_tokens if blend else 0})
                 fetch_span.end()
+        if inp.kv_handoff is not None:
+            if plan is None:
+                inp.kv_handoff.fail()
+            else:
+                plan.handoff = inp.kv_handoff
         return EngineRequest(request_id, list(prompt), inp.params, arrival, namespace=namespace, kv_plan=plan,
                              speculation=inp.speculation, blend=blend, doc_exports=doc_exports,
                              document_ids=document_ids, trace_context=otel_context.get_current(),

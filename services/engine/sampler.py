@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.services.engine.logits import Processing
 from kvmesh.services.engine.sampling import SamplingParams
 
 
@@ -66,13 +67,24 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit whose probability is below min_p times its row's largest one.
+    logits: [R, V] float32 (temperature applied); min_p: [R] float32 in [0, 1], 0 = off."""
+    probs = logits.softmax(dim=-1)  # [R, V]
+    floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]  # [R, 1]
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: softmax of logits [R, vocab] divided by the row's
-    temperature, after its top-k and top-p (every row must sample: temperature > 0). [R, vocab]
-    float32. Speculative verification accepts drafts against exactly this distribution."""
+    temperature, after its min_p, top-k and top-p, in vLLM's order (every row must sample:
+    temperature > 0). [R, vocab] float32. Speculative verification accepts drafts against
+    exactly this distribution."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)  # [R]
     scaled = logits.float() / temperature[:, None]  # [R, V]
+    if any(p.min_p > 0.0 for p in params):
+        scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
@@ -128,11 +140,13 @@ def make_draws(params: SamplingParams, device: torch.device | str = "cpu") -> Dr
 class Sampler:
     """Samples the next token of N sequences from logits [N, vocab].
 
-    Greedy rows (temperature 0) are one batched argmax. Other rows get temperature, top-k and
-    top-p applied as one batched tensor op, then one draw each from the row's own generator
-    (`Draws.at` the row's output position). A row's draw never touches another row's, so a
-    seed reproduces its output whatever else shares the batch.
-    Logprobs come from log_softmax of the raw logits, before temperature and filtering.
+    The logits are first processed (`logits.LogitsProcessor`: grammar masks, min_tokens,
+    logit_bias, penalties) for the rows that ask for it. Greedy rows (temperature 0) are then one
+    batched argmax. Other rows get temperature, min_p, top-k and top-p applied as one batched
+    tensor op, then one draw each from the row's own generator (`Draws.at` the row's output
+    position). A row's draw never touches another row's, so a seed reproduces its output
+    whatever else shares the batch.
+    Logprobs come from log_softmax of the raw logits, before any processing (vLLM's default).
     """
 
     def __call__(
@@ -140,31 +154,38 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        processing: Processing | None = None,
     ) -> SamplerOutput:
-        """logits [N, vocab]; params and generators: one per row (generators on logits' device)."""
+        """logits [N, vocab]; params and generators: one per row (generators on logits' device);
+        processing: the rows' logits processing, needed when a row's params ask for any."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(generators) != len(params):
             raise ValueError(
                 f"expected logits [{len(params)}, vocab] and {len(params)} generators, got "
                 f"{list(logits.shape)} and {len(generators)}"
             )
-        logits = logits.float()
+        raw = logits = logits.float()
+        if processing is not None:
+            logits = processing(logits)
+        elif any(p.processes_logits for p in params):
+            raise ValueError("a row's params process logits (penalties, logit_bias, min_tokens, a "
+                             "constraint) but no row histories were given")
         device = logits.device
         token_ids = logits.argmax(dim=-1)  # [N]
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rparams = [params[i] for i in random_rows]
-            rows = torch.tensor(random_rows, device=device)  # [R]
-            probs = sampling_probs(logits[rows], rparams)  # [R, V]
+            index = torch.tensor(random_rows, device=device)  # [R]
+            probs = sampling_probs(logits[index], rparams)  # [R, V]
             drawn = []
             for j, i in enumerate(random_rows):
                 if generators[i] is None:
                     raise ValueError(f"row {i} samples (temperature > 0) but has no generator")
                 drawn.append(torch.multinomial(probs[j], 1, generator=generators[i]))
-            token_ids[rows] = torch.cat(drawn)
+            token_ids[index] = torch.cat(drawn)
 
         ids = token_ids.tolist()
-        return SamplerOutput(token_ids=ids, logprobs=self._logprobs(logits, params, ids))
+        return SamplerOutput(token_ids=ids, logprobs=self._logprobs(raw, params, ids))
 
     @staticmethod
     def _logprobs(

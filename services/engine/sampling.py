@@ -10,7 +10,11 @@ import math
 from dataclasses import dataclass
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.limits import MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from kvmesh.grammar import Constraint, ConstraintKind
+from kvmesh.limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_STOP_STRING_CHARS,
+                           MAX_STOP_STRINGS, MAX_TEMPERATURE)
+
+__all__ = ["Constraint", "ConstraintKind", "SamplingParams"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,40 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """None: none. n: each prompt token's logprob (from the second on) plus the top-n
     alternatives at its position. The prompt is then computed in full (no cached KV reused)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token generated at least once, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per time a token was generated, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """vLLM's (and HF's): each token seen in the prompt or the output has a positive logit divided
+    by it and a negative one multiplied by it; > 0, 1 disables."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs, added to the logits (a dict is converted)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1]; 0 disables."""
+    min_tokens: int = 0
+    """End-of-sequence and stop_token_ids are masked until this many tokens are generated."""
+    constraint: Constraint | None = None
+    """Structured output: the language the output must belong to (None: free text)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the logits depend on the token history (presence, frequency, repetition)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when the logits change before argmax or temperature (penalties, logit_bias,
+        min_tokens, a constraint); rows without any skip that work."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.constraint is not None)
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +120,33 @@ class SamplingParams:
                     raise InvalidArgument(
                         f"{name} must be in 0..{MAX_LOGPROBS} (top alternatives per token), got {value}")
         self._validate_stops(vocab_size)
+        self._validate_processing(vocab_size)
+
+    def _validate_processing(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
+                                      f"(0 disables it), got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidArgument(f"repetition_penalty must be > 0 (1 disables it; above 1 "
+                                  f"discourages repeats), got {self.repetition_penalty}")
+        if math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), "
+                                  f"got {self.min_tokens}")
+        for tid, bias in self.logit_bias:
+            _check_int("logit_bias token id", tid)
+            if not 0 <= tid < vocab_size:
+                raise InvalidArgument(f"logit_bias token id {tid} is outside the vocabulary "
+                                      f"(0..{vocab_size - 1})")
+            if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidArgument(f"logit_bias of token {tid} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                      f"{MAX_LOGIT_BIAS:g}], got {bias}")
+        if self.constraint is not None:
+            self.constraint.validate()
 
     def _validate_stops(self, vocab_size: int) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

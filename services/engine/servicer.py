@@ -5,7 +5,8 @@ Errors are raised as kvmesh.errors exceptions; the shared interceptor turns them
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterator
+import logging
+from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 from google.protobuf import unknown_fields
@@ -22,10 +23,14 @@ from kvmesh.services.engine.async_engine import AsyncEngine
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import EngineCore
 from kvmesh.services.engine.ingest import IngestRequest
+from kvmesh.services.engine.kv_transfer import Handoff, HandoffResult
 from kvmesh.services.engine.outputs import RequestOutput
 from kvmesh.services.engine.sampler import TokenLogprobs
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.sampling import Constraint, ConstraintKind, SamplingParams
 from kvmesh.services.engine.speculation import SpecMode
+
+log = logging.getLogger(__name__)
+from kvmesh.services.engine.tracing import request_attributes
 
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -119,10 +124,31 @@ def sampling_from_proto(sp: engine_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=bool(sp.ignore_eos),
         logprobs=int(sp.logprobs) if sp.HasField("logprobs") else None,
         prompt_logprobs=int(sp.prompt_logprobs) if sp.HasField("prompt_logprobs") else None,
+        presence_penalty=float(sp.presence_penalty) if sp.HasField("presence_penalty") else 0.0,
+        frequency_penalty=float(sp.frequency_penalty) if sp.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=float(sp.repetition_penalty) if sp.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple((int(t), float(b)) for t, b in sp.logit_bias.items()),
+        min_p=float(sp.min_p) if sp.HasField("min_p") else 0.0,
+        min_tokens=int(sp.min_tokens) if sp.HasField("min_tokens") else 0,
+        constraint=constraint_from_proto(sp.structured_output) if sp.HasField("structured_output") else None,
     )
     if sp.HasField("max_tokens"):
         kwargs["max_tokens"] = int(sp.max_tokens)
     return SamplingParams(**kwargs)
+
+
+def constraint_from_proto(so: engine_pb2.StructuredOutput) -> Constraint:
+    """StructuredOutput as a domain Constraint (INVALID_ARGUMENT when no kind is set)."""
+    _reject_unknown_fields(so, "sampling.structured_output")
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("sampling.structured_output has no kind; set one of json_schema, "
+                              "json_object, regex, choice or grammar")
+    if kind == "choice":
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(so.choice.choices))
+    if kind == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    return Constraint(ConstraintKind(kind), text=getattr(so, kind))
 
 
 def parts_from_proto(prompt: engine_pb2.Prompt) -> list[Part]:
@@ -149,9 +175,12 @@ def _logprobs_to_proto(lp: TokenLogprobs, tokenizer) -> common_pb2.TokenLogprobs
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Thin adapter from kvmesh.engine.v1 to the AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, info: engine_pb2.GetModelInfoResponse) -> None:
+    def __init__(self, engine: AsyncEngine, info: engine_pb2.GetModelInfoResponse,
+                 on_handoff: Callable[[HandoffResult], None] = lambda result: None) -> None:
         self.engine = engine
         self.info = info
+        self.on_handoff = on_handoff
+        """Called with each P/D prefill hop's handoff (metrics)."""
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -179,21 +208,46 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         params = sampling_from_proto(request.sampling)
         speculation = speculation_from_proto(request.speculation)
         kv_codec = self._codec(request)
-        trace.get_current_span().set_attributes({
-            "gen_ai.system": "kvmesh", "gen_ai.operation.name": "generate", "gen_ai.request.model": self.info.model,
-            "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
-            "kvmesh.request_id": request.request_id})
+        trace.get_current_span().set_attributes(request_attributes(self.info.model, params, request.request_id))
         budget = budget_from_proto(request.quality_budget) if request.HasField("quality_budget") else QualityBudget()
         resume = ()
         if request.HasField("resume_token_ids"):
             _reject_unknown_fields(request.resume_token_ids, "resume_token_ids")
             resume = tuple(request.resume_token_ids.ids)
             trace.get_current_span().set_attribute("kvmesh.resumed_tokens", len(resume))
+        handoff, handed = None, None
+        if request.kv_handoff:
+            if resume:
+                raise InvalidArgument("kv_handoff (a P/D prefill hop) cannot resume a stream: unset "
+                                      "resume_token_ids or kv_handoff")
+            loop = asyncio.get_running_loop()
+            handed = loop.create_future()
+            handoff = Handoff(lambda result: loop.call_soon_threadsafe(_resolve, handed, result))
         async for out in self.engine.generate(ids, params, request.request_id, tenant_salt=request.cache_salt,
                                               kv_codec=kv_codec, speculation=speculation,
                                               parts=parts, recompute_ratio=ratio, quality_budget=budget,
-                                              resume_token_ids=resume):
+                                              resume_token_ids=resume, kv_handoff=handoff):
             for msg in self._to_proto(out, tokenizer):
+                if handed is not None and msg.HasField("final"):
+                    # the first token is out; the decode hop starts on this message, so it waits
+                    # until the prompt's chunks are stored (each Put has --kv-timeout-s)
+                    kv = self.engine.core.kv
+                    wait = 2 * kv.config.timeout_s if kv is not None else 1.0
+                    try:  # past the wait, the decode hop computes what is not stored yet
+                        async with asyncio.timeout(wait):
+                            result = await asyncio.shield(handed)
+                    except TimeoutError:
+                        result = HandoffResult(False, 0, 0, wait)
+                    msg.final.handoff.CopyFrom(engine_pb2.KvHandoff(ok=result.ok, tokens=result.tokens,
+                                                                    bytes=result.bytes, wait_s=result.wait_s))
+                    self.on_handoff(result)
+                    log.info("request %s: P/D handoff %s: %d prompt tokens, %.1f MB stored, the last %.0f ms after "
+                             "the prompt's last token", request.request_id, "ok" if result.ok else "incomplete",
+                             result.tokens, result.bytes / 1e6, 1e3 * result.wait_s)
+                    trace.get_current_span().set_attributes({
+                        "kvmesh.pd.role": "prefill", "kvmesh.pd.handoff_ok": result.ok,
+                        "kvmesh.pd.handoff_tokens": result.tokens, "kvmesh.pd.handoff_bytes": result.bytes,
+                        "kvmesh.pd.handoff_wait_s": result.wait_s})
                 yield msg
 
     async def IngestDocument(self, request: engine_pb2.IngestDocumentRequest,
@@ -295,4 +349,9 @@ def model_info(core: EngineCore, cfg: EngineConfig) -> engine_pb2.GetModelInfoRe
         eos_token_ids=list(mc.eos_token_ids), device=str(core.runner.device),
         kv_namespace=namespace_to_proto(core.request_namespace()),
         tokenizer_fingerprint=core.loaded.tokenizer.fingerprint() if core.loaded.tokenizer is not None else "",
-        model_source=core.loaded.source)
+        model_source=core.loaded.source, role=cfg.role)
+
+
+def _resolve(future: asyncio.Future, result: HandoffResult) -> None:
+    if not future.done():
+        future.set_result(result)

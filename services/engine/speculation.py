@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.services.engine.logits import Processing
 from kvmesh.services.engine.sampler import Draws, sampling_probs
 from kvmesh.services.engine.sampling import SamplingParams
 
@@ -59,8 +60,12 @@ class Verdict:
 #
 # The engine's last token t and the drafts x_1..x_k were computed in one forward pass: logits
 # row j (0..k) is the target's distribution of the token after t, x_1..x_j. Let p_j be the
-# distribution the request samples from at row j: softmax(logits_j / temperature) after top-k
-# and top-p, exactly what plain sampling uses (sampler.sampling_probs).
+# distribution the request samples from at row j: softmax(logits_j / temperature) after min_p,
+# top-k and top-p, exactly what plain sampling uses (sampler.sampling_probs). The logits are
+# first processed as plain decoding processes them (services/engine/logits.py): row j with the
+# history t, x_1..x_j and the grammar mask after x_1..x_j, so penalties, logit_bias and
+# structured output give the same tokens with or without drafts, and a draft the grammar
+# forbids has p_{j-1}(x_j) = 0: it is always rejected.
 #
 # The draft service proposes tokens, not distributions: a proposal is a point mass q(x_j) = 1.
 # Speculative sampling accepts x_j with probability min(1, p_j(x_j) / q(x_j)) = p_j(x_j) and on
@@ -95,13 +100,21 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...] | list[int], params: Sa
 
 
 def verify_batch(logits: list[torch.Tensor], drafts: list[tuple[int, ...]], params: list[SamplingParams],
-                 draws: list[Draws | None], positions: list[int]) -> list[Verdict]:
+                 draws: list[Draws | None], positions: list[int],
+                 processing: Processing | None = None) -> list[Verdict]:
     """`verify` for several sequences with one argmax and one sampling_probs over all their rows
-    (per-sequence tensor ops cost more than the arithmetic on a CPU), then the rule per sequence."""
+    (per-sequence tensor ops cost more than the arithmetic on a CPU), then the rule per sequence.
+
+    processing: the logits processing of every row, in order (see the NOTE), needed when a
+    request processes its logits."""
     for rows, d in zip(logits, drafts):
         if rows.dim() != 2 or rows.shape[0] != len(d) + 1:
             raise ValueError(f"expected logits [{len(d) + 1}, vocab] for {len(d)} drafts, got {list(rows.shape)}")
-    flat = torch.cat(logits)  # [R, V], R = sum of (k + 1)
+    flat = torch.cat(logits).float()  # [R, V], R = sum of (k + 1)
+    if processing is not None:
+        flat = processing(flat)
+    elif any(p.processes_logits for p in params):
+        raise ValueError("a request processes its logits but no row contexts were given")
     starts = [0]
     for rows in logits:
         starts.append(starts[-1] + rows.shape[0])

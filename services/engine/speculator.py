@@ -24,6 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from kvmesh.services.engine.draft_client import DraftClient, DraftQuery
+from kvmesh.services.engine.logits import Processing
 from kvmesh.services.engine.outputs import SPEC_EVENTS, RequestOutput, Timeline
 from kvmesh.services.engine.runner import DraftLogits
 from kvmesh.services.engine.sampler import Draws, TokenLogprobs, token_logprobs
@@ -150,14 +151,15 @@ class Speculator:
     # ---- after the forward -------------------------------------------------------------------
 
     def verify(self, rows: list[DraftLogits], draws: list[Optional[Draws]],
-               emit: Emit) -> list[RequestOutput]:
+               emit: Emit, processing: Optional[Processing] = None) -> list[RequestOutput]:
         """Emits each verified run token by token (a stop cuts it), then keeps the accepted
-        drafts' KV and drops the rejected ones'."""
+        drafts' KV and drops the rejected ones'. processing: the logits processing of every
+        verified row (speculation.verify_batch), when a request asks for any."""
         if not rows:
             return []
         verdicts = verify_batch([r.logits for r in rows], [r.draft_token_ids for r in rows],
                                 [r.seq.params for r in rows], draws,
-                                [r.seq.num_output_tokens for r in rows])
+                                [r.seq.num_output_tokens for r in rows], processing)
         outputs = []
         for r, verdict in zip(rows, verdicts):
             seq, tokens = r.seq, verdict.token_ids

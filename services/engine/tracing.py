@@ -1,7 +1,10 @@
 """The engine's request timeline as spans, written when the request finishes (the step loop
 records instants; spans are made here, on the serving call's side, so the step loop never
 touches the tracer). The one exception: a guardrail shadow check, which runs on the step loop
-long after its request ended, writes its own span there (`trace_guard_check`; rare by design)."""
+long after its request ended, writes its own span there (`trace_guard_check`; rare by design).
+
+GenAI attributes use the OpenTelemetry semantic conventions' current names
+(`gen_ai.provider.name`, `gen_ai.usage.cache_read.input_tokens`; see services/gateway/tracing.py)."""
 from __future__ import annotations
 
 import time
@@ -16,6 +19,27 @@ from kvmesh.telemetry import tracer
 if TYPE_CHECKING:
     from kvmesh.kv.quality import Comparison
     from kvmesh.services.engine.guardrail import ShadowCheck
+    from kvmesh.services.engine.sampling import SamplingParams
+
+PROVIDER = "kvmesh"
+"""`gen_ai.provider.name` (the gateway's value too)."""
+
+
+def request_attributes(model: str, params: SamplingParams, request_id: str) -> dict:
+    """The Generate server span's request attributes: operation, model and sampling settings."""
+    attrs = {"gen_ai.provider.name": PROVIDER, "gen_ai.operation.name": "text_completion",
+             "gen_ai.request.model": model, "gen_ai.request.max_tokens": params.max_tokens,
+             "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+             "gen_ai.request.presence_penalty": params.presence_penalty,
+             "gen_ai.request.frequency_penalty": params.frequency_penalty,
+             "kvmesh.request_id": request_id}
+    if params.top_k:
+        attrs["gen_ai.request.top_k"] = params.top_k
+    if params.seed is not None:
+        attrs["gen_ai.request.seed"] = params.seed
+    if params.stop:
+        attrs["gen_ai.request.stop_sequences"] = list(params.stop)
+    return attrs
 
 
 def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
@@ -28,7 +52,7 @@ def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
     attrs = {"gen_ai.usage.input_tokens": usage.prompt_tokens if usage else prompt_tokens,
              "gen_ai.usage.output_tokens": usage.completion_tokens if usage else 0,
              "gen_ai.response.finish_reasons": [str(out.finish_reason or "")],
-             "kvmesh.engine.cached_tokens": usage.cached_prompt_tokens if usage else 0,
+             "gen_ai.usage.cache_read.input_tokens": usage.cached_prompt_tokens if usage else 0,
              "kvmesh.kv.storage": out.reuse_storage,
              "kvmesh.kv.service_tokens": usage.imported_prompt_tokens if usage else 0}
     if out.spec is not None and out.spec.steps:
@@ -60,7 +84,7 @@ def trace_request(out: RequestOutput, prompt_tokens: int) -> None:
         blend.end(end_time=ns(t.blend[1]))
     prefill = span("engine.prefill", t.admitted, t.first_token or t.finished,
                    **{"gen_ai.usage.input_tokens": attrs["gen_ai.usage.input_tokens"],
-                      "kvmesh.engine.cached_tokens": attrs["kvmesh.engine.cached_tokens"]})
+                      "gen_ai.usage.cache_read.input_tokens": attrs["gen_ai.usage.cache_read.input_tokens"]})
     if prefill is not None:
         prefill.end(end_time=ns(t.first_token or t.finished))
     decode = span("engine.decode", t.first_token, t.finished,

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import sys
 
-from kvmesh.config import ConfigError
+from kvmesh.config import ConfigError, command
 from kvmesh.model.tokenizer import read_chat_template
 from kvmesh.rpc.client import make_channel
 from kvmesh.rpc.entry import Service, serve_main
@@ -28,7 +28,7 @@ async def build(cfg: GatewayConfig, telemetry: Telemetry) -> Service:
         try:
             tokenizer = tokenizer.with_chat_template(read_chat_template(cfg.chat_template))
         except ValueError as e:
-            raise SystemExit(f"kvmesh-gateway: {e} (KVMESH_GATEWAY_CHAT_TEMPLATE)") from None
+            raise SystemExit(f"{command('gateway')}: error: {e} (KVMESH_GATEWAY_CHAT_TEMPLATE)") from None
         log.info("chat template: from --chat-template")
     # A restarted router (the supervisor restarts it in ~1 s) is reconnected within a second: calls
     # wait for it (wait_for_ready, services/gateway/upstream.py) instead of failing.
@@ -40,7 +40,7 @@ async def build(cfg: GatewayConfig, telemetry: Telemetry) -> Service:
     except ConfigError as e:
         await channel.close()
         log.error("%s", e)
-        raise SystemExit(f"kvmesh-gateway: {e}") from None
+        raise SystemExit(f"{command('gateway')}: error: {e}") from None
     gateway = build_gateway(cfg, tokenizer, channel, GatewayMetrics(telemetry.registry))
     server = GatewayServer(cfg, gateway, telemetry)
     if cfg.open_to_network_without_keys:

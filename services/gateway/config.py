@@ -15,7 +15,8 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class GatewayConfig:
     """Everything the gateway needs to start; see `python -m kvmesh.services.gateway --help`."""
 
-    router_address: str = setting("127.0.0.1:50081", "host:port of the router service (the gateway's only upstream).")
+    router_address: str = setting("127.0.0.1:50081", "host:port of the router service (the upstream of every generation).")
+    kvcache_address: Optional[str] = setting(None, "host:port of the KV-cache service whose sentence-embedding model (all-MiniLM-L6-v2, loaded once there) serves POST /v1/embeddings and is listed in /v1/models; unset = no embeddings endpoint. `kvmesh up` sets it.")
     model: str = setting("bundled", "Tokenizer source: 'bundled' (SmolLM2 GGUF), a .gguf path or a Hugging Face folder; only the tokenizer and chat template are read, never the weights. Must tokenize like the engines' --model: checked at start (--model-check-timeout-s).")
     chat_template: Optional[str] = setting(None, "Chat template overriding the model's own: a path to a Jinja file, or the template itself (as vLLM's --chat-template). Unset = the model's (tokenizer_config.json, chat_template.jinja or GGUF metadata).")
     model_check_timeout_s: float = setting(10.0, "At start, wait this long for the router's model list and refuse to start when an engine tier's tokenizer differs from the gateway's; a router that does not answer in time is logged and the gateway starts unchecked. 0 = no check.", min=0.0)
@@ -34,7 +35,7 @@ class GatewayConfig:
     default_temperature: float = setting(1.0, "Temperature of a request that names none (OpenAI's default is 1.0; 0 = greedy).", min=0.0, max=2.0)
     request_timeout_s: float = setting(600.0, "Deadline of each upstream generation (the whole stream).", min=0.1)
     models_refresh_s: float = setting(5.0, "Seconds the router's model list is cached before it is asked again.", min=0.0)
-    trace_content: bool = setting(False, "Record prompts and completions in trace spans (gen_ai.prompt, gen_ai.completion). Off by default: traces then carry token counts, never text.")
+    trace_content: bool = setting(False, "Record prompts and completions in trace spans (gen_ai.input.messages, gen_ai.output.messages). Off by default: traces then carry token counts, never text.")
 
     def validate(self) -> None:
         if self.chat_template is not None and not self.chat_template.strip():
@@ -47,6 +48,9 @@ class GatewayConfig:
             raise ConfigError(f"--keys-file {self.keys_file} does not exist; create it with "
                               f"`python -m kvmesh.services.gateway.keys add --keys-file {self.keys_file} "
                               "--tenant NAME`, or unset it to run without keys")
+        if self.kvcache_address is not None and ":" not in self.kvcache_address:
+            raise ConfigError(f"--kvcache-address {self.kvcache_address!r} needs a port, e.g. 127.0.0.1:50071 "
+                              "(KVMESH_GATEWAY_KVCACHE_ADDRESS), or unset it to serve no embeddings")
         rpc = self.server
         if self.http_host == rpc.host and self.http_port == rpc.port and rpc.port != 0:
             raise ConfigError(f"--http-port and --port are both {rpc.port}; give the HTTP and gRPC "

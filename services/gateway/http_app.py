@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front end: a thin FastAPI adapter over `service.Gateway`.
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
-(SSE when `stream`), GET /health, GET /metrics. Every error is OpenAI's body with the status
+(SSE when `stream`), POST /v1/embeddings (embeddings.py), POST /tokenize, POST /detokenize,
+GET /tokenizer_info (tokenization.py), GET /health, GET /metrics, GET /version, GET /openapi.json
+and its Swagger UI at GET /docs. Every error is OpenAI's body with the status
 `errors` maps it to — FastAPI's own validation errors and unknown routes included. A SERVER span
 per request (W3C `traceparent` honoured) is current while the request runs, so the router call
 made for it joins the same trace.
@@ -23,8 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvmesh import __version__
 from kvmesh.errors import KvmeshError
+from kvmesh.services.gateway import tokenization
 from kvmesh.services.gateway.auth import bearer_token
+from kvmesh.services.gateway.embeddings import EmbeddingModel, Embeddings
 from kvmesh.services.gateway.errors import ApiError, error_type, to_api_error
 from kvmesh.services.gateway.openai_format import DONE, Formatter, sse
 from kvmesh.services.gateway.openai_schema import (
@@ -38,7 +43,7 @@ from kvmesh.services.gateway.service import Gateway, Generation
 from kvmesh.services.gateway.sse import CLIENT_CLOSED, ClientGone, EventStream, race_disconnect
 from kvmesh.telemetry import Telemetry, extract_context
 
-_UNTRACED = ("/health", "/metrics")
+_UNTRACED = ("/health", "/metrics", "/version")
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -81,13 +86,17 @@ class TraceMiddleware:
             span.end()
 
 
-def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = True) -> FastAPI:
+def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = True,
+               embeddings: Embeddings | None = None) -> FastAPI:
     """The HTTP application for `gateway`; spans go to `telemetry`'s provider and /metrics serves
-    its registry."""
+    its registry; `embeddings` (the KV service's model) serves /v1/embeddings when given."""
     # FastAPI's own OpenTelemetry (newer releases) is off: TraceMiddleware opens the one SERVER
     # span per request, on any FastAPI version, and leaves probes untraced.
+    # /docs is FastAPI's Swagger UI over the published document (openapi.py): the page is served
+    # here, its script and stylesheet come from FastAPI's default public CDN, fetched by the
+    # browser (the gateway itself fetches nothing). ReDoc stays off: one viewer is enough.
     app = FastAPI(title="kvmesh gateway", summary="OpenAI-compatible API of kvmesh",
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
                   telemetry={"tracing": False, "metrics": False, "logs": False,
                              "operation_spans": False})
     document = openapi_document()
@@ -126,15 +135,50 @@ def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = 
         async def prometheus() -> Response:
             return Response(generate_latest(telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         authenticate(request)
-        return {"object": "list", "data": [_model(m) for m in await gateway.models()]}
+        data = [_model(m) for m in await gateway.models()]
+        embedder = await embeddings.listed() if embeddings is not None else None
+        if embedder is not None:
+            data.append(_embedding_model(embedder))
+        return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> dict[str, Any]:
         authenticate(request)
+        embedder = await embeddings.listed() if embeddings is not None else None
+        if embedder is not None and model_id == embedder.name:
+            return _embedding_model(embedder)
         return _model(await gateway.model(model_id))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        if embeddings is None:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, "this gateway serves no embedding model; start "
+                           "it with --kvcache-address (the KV service computes embeddings), as "
+                           "`kvmesh up` does", param="model", error_code="model_not_found")
+        return await embeddings.create(await request.body())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return await tokenization.tokenize(gateway, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return await tokenization.detokenize(gateway, await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return await tokenization.tokenizer_info(gateway)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -149,7 +193,15 @@ def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = 
 
 def _model(m: Any) -> dict[str, Any]:
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "kvmesh",
-            "root": m.root, "max_model_len": m.max_model_len}
+            "root": m.root, "max_model_len": m.max_model_len, "kind": "generation"}
+
+
+def _embedding_model(m: EmbeddingModel) -> dict[str, Any]:
+    """The KV service's embedding model as a /v1/models entry: `kind` says it serves
+    /v1/embeddings only, `dimensions` its vectors' width."""
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "kvmesh",
+            "root": m.name, "max_model_len": m.max_tokens, "kind": "embedding",
+            "dimensions": m.dimensions}
 
 
 async def _generate(gateway: Gateway, request: Request, kind: Literal["completion", "chat"]
@@ -176,7 +228,8 @@ async def _generate(gateway: Gateway, request: Request, kind: Literal["completio
         record(err.status)
         return error_response(err)
     fmt = Formatter(kind, generation.id, generation.created, req.model,
-                    logprobs=req.sampling.logprobs is not None, include_usage=include_usage)
+                    logprobs=req.sampling.logprobs is not None, include_usage=include_usage,
+                    tool_calls=req.tool_calls)
     run = _Run(generation, fmt, record, retry_after)
     try:
         if stream:  # wait for the first delta, so that early failures get a real status

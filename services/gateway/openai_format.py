@@ -10,7 +10,12 @@ Requests that reused cached KV, or had documents, get a kvmesh extension object 
 (in the response, and in the streamed usage chunk) saying what was reused and how:
 ``"kvmesh": {"reuse": {"storage": "exact", "exact": true, "prefix_cache_tokens": P,
 "kv_service_tokens": S}}``, with ``"document_ids": [...], "blended_tokens": N,
-"recomputed_tokens": M`` for documents. A storage other than "exact" names the lossy path (a KV
+"recomputed_tokens": M`` for documents.
+
+A chat request with tool_choice "required" or a named function (`tool_calls` set) gets its
+constrained output as `message.tool_calls` with finish_reason "tool_calls" and null content;
+streamed, the choice's text is held back and sent as one `tool_calls` delta when it finishes. An
+output that does not parse (cut by max_tokens) stays text, with its own finish_reason. A storage other than "exact" names the lossy path (a KV
 codec, or the blend with its recompute ratio) that the request or its tenant opted into; a
 ``"fallback"`` string names a lossy path that was asked for and not served (the engine's
 guardrail estimated it over the request's quality budget), whose reuse was exact instead.
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.services.gateway.spec import ChoiceDelta, Kind, TokenLogprob, Usage
+from kvmesh.services.gateway.structured import ToolCallOutput, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 
@@ -82,13 +88,14 @@ class Formatter:
     """Builds the chunks and the response of one request (see the module docstring)."""
 
     def __init__(self, kind: Kind, request_id: str, created: int, model: str, *,
-                 logprobs: bool, include_usage: bool) -> None:
+                 logprobs: bool, include_usage: bool, tool_calls: ToolCallOutput | None = None) -> None:
         self.kind = kind
         self.id = request_id
         self.created = created
         self.model = model
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.tool_calls = tool_calls if kind == "chat" else None
         self._choices: dict[int, _Choice] = {}
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -129,6 +136,8 @@ class Formatter:
                       "logprobs": self._legacy_logprobs(state, entries) if self.logprobs else None,
                       "finish_reason": delta.finish_reason}
             return [self._chunk("text_completion", choice)]
+        if self.tool_calls is not None:
+            return self._tool_chunks(state, delta, text, entries)
         out = []
         body: dict[str, Any] = {}
         if delta.first:
@@ -145,6 +154,38 @@ class Formatter:
                 "index": delta.index, "delta": {}, "logprobs": None,
                 "finish_reason": delta.finish_reason}))
         return out
+
+    def _tool_chunks(self, state: _Choice, delta: ChoiceDelta, text: str,
+                     entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """A tool-call choice streamed: the role first, the calls when complete (module docstring)."""
+        state.text.append(text)
+        state.logprobs.extend(entries)
+        out = []
+        if delta.first:
+            out.append(self._chunk("chat.completion.chunk", {
+                "index": delta.index, "delta": {"role": "assistant", "content": None},
+                "logprobs": None, "finish_reason": None}))
+        if delta.finish_reason is None:
+            return out
+        content, calls, reason = self._tool_message(state, delta.finish_reason)
+        body: dict[str, Any] = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                                if calls is not None else {"content": content})
+        logprobs = ({"content": [_chat_logprob(e) for e in state.logprobs], "refusal": None}
+                    if self.logprobs else None)
+        out.append(self._chunk("chat.completion.chunk", {
+            "index": delta.index, "delta": body, "logprobs": logprobs, "finish_reason": None}))
+        out.append(self._chunk("chat.completion.chunk", {
+            "index": delta.index, "delta": {}, "logprobs": None, "finish_reason": reason}))
+        return out
+
+    def _tool_message(self, state: _Choice, finish_reason: str | None
+                      ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+        """(content, tool_calls, finish_reason) of a finished tool-call choice."""
+        text = "".join(state.text)
+        calls = parse_tool_calls(text, self.tool_calls) if finish_reason == "stop" else None
+        if calls is None:
+            return text, None, finish_reason
+        return None, calls, "tool_calls"
 
     def _chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head(obj), "choices": [choice]}
@@ -182,8 +223,14 @@ class Formatter:
             else:
                 logprobs = ({"content": [_chat_logprob(e) for e in state.logprobs],
                              "refusal": None} if self.logprobs else None)
-                choices.append({"index": index,
-                                "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                reason = state.finish_reason
+                if self.tool_calls is not None:
+                    content, calls, reason = self._tool_message(state, reason)
+                    message["content"] = content
+                    if calls is not None:
+                        message["tool_calls"] = calls
+                choices.append({"index": index, "message": message,
+                                "logprobs": logprobs, "finish_reason": reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return _with_usage({**self._head(obj), "choices": choices}, usage)

@@ -1,9 +1,19 @@
 """OpenAI request bodies (pydantic) and their translation into the gateway's `GenerationRequest`.
 
-Unknown fields are ignored, as OpenAI's API does. Known knobs the stack cannot honour (penalties,
-logit_bias, tools, non-text response formats, best_of != n, suffix, ...) are refused with a 400
-that names them, rather than silently ignored: a client relying on them would get wrong output.
-Range checks shared with the gRPC API live in `spec.validate_request`.
+Refuse rather than ignore: an unknown field, at the top level or inside a message, is a 400
+naming it (OpenAI's "unrecognized request argument supplied"; vLLM only logs a warning, but a
+client relying on a field the server drops gets wrong output). Known knobs the stack cannot honour
+(best_of != n, suffix, functions/function_call, prediction, audio, tool_choice "auto") are refused
+with a 400 that names them too. OpenAI fields that cannot change the output are accepted and not
+interpreted: `user`, `metadata`, `store`, and in a replayed assistant message `refusal` and
+`annotations`.
+
+Sampling: OpenAI's temperature, top_p, seed, stop, presence/frequency penalties and logit_bias,
+plus vLLM's extensions top_k, min_p, repetition_penalty, stop_token_ids, min_tokens and
+ignore_eos. Structured output: response_format (json_object, json_schema), vLLM's guided_json,
+guided_regex, guided_choice and guided_grammar, and tools with tool_choice "required" or a named
+function (services/gateway/structured.py). Range checks shared with the gRPC API live in
+`spec.validate_request`.
 
 kvmesh extensions of chat completions: `documents` (a list of `{"id": ...}` or `{"text": ...}`),
 `retrieve` (`{"top_k": 1..kvmesh.limits.MAX_RETRIEVE_K, "query": optional}`) and `recompute_ratio` (0..1); see
@@ -29,10 +39,12 @@ from kvmesh.services.gateway.spec import (
     Retrieval,
     Sampling,
 )
+from kvmesh.services.gateway.structured import StructuredRequest, structured_request
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # "5" is not a number, "yes" no bool
+    # strict: "5" is not a number, "yes" no bool; forbid: an unknown field is a 400 naming it
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -42,6 +54,10 @@ class StreamOptions(_Body):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    image_url: Any = None
+    """OpenAI's other part types' payloads: declared so that their `type` is what gets refused."""
+    input_audio: Any = None
+    file: Any = None
 
 
 class ChatMessage(_Body):
@@ -49,6 +65,13 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
+    """A response's own fields, sent back with the message in multi-turn use: they do not
+    change the prompt, so they are accepted (function_call and audio only when null)."""
+    annotations: Any = None
 
 
 class DocumentBody(_Body):
@@ -73,12 +96,27 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    ignore_eos: bool | None = None
-    """kvmesh (and vLLM, llama.cpp) extension: keep generating past end-of-sequence, up to max_tokens."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
+    """Harmless OpenAI fields, accepted and not interpreted: `user`, `metadata`, `store`."""
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    # vLLM's sampling extensions
+    ignore_eos: bool | None = None
+    """Keep generating past end-of-sequence, up to max_tokens."""
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    # vLLM's structured-output extensions (services/gateway/structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     kvmesh: Any = None
 
 
@@ -104,9 +142,9 @@ class ChatCompletionBody(_Common):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     prediction: Any = None
     audio: Any = None
     modalities: list[str] | None = None
@@ -132,8 +170,9 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
-def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
-    """Decode and shape-check a JSON body; 400 naming the parameter on any problem."""
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """A request body decoded as one JSON object within the gateway's limits (nesting depth,
+    valid Unicode, integers); a 400 naming what to fix otherwise. Every JSON endpoint uses it."""
     try:
         data = json.loads(raw, parse_int=_parse_int)
     except RecursionError:  # json's decoder recurses once per level of nesting
@@ -154,6 +193,12 @@ def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
         raise invalid(f"invalid value for '{param}': a lone UTF-16 surrogate at character {index}; "
                       "strings must be valid Unicode (send a surrogate only as half of a pair)",
                       param, "invalid_string")
+    return data
+
+
+def parse_body(raw: bytes, kind: Literal["completion", "chat"]) -> Body:
+    """Decode and shape-check a JSON body; 400 naming the parameter on any problem."""
+    data = decode_object(raw)
     schema = ChatCompletionBody if kind == "chat" else CompletionBody
     try:
         return schema.model_validate(data)
@@ -213,6 +258,10 @@ def validation_error(errors: list[Any]) -> ApiError:
         param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
     kind = first.get("type", "")
     message = first.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        return invalid(f"unrecognized request argument supplied: '{param}'; remove it (this server "
+                       "refuses parameters it does not implement rather than ignore them)",
+                       param or None, "unknown_parameter")
     if kind == "missing":
         return invalid(f"missing required parameter: '{param}'", param or None,
                        "missing_required_parameter")
@@ -258,18 +307,37 @@ def _lossy(body: _Common) -> LossyOptIn | None:
         raise invalid(f"kvmesh.lossy: {e}", "kvmesh.lossy") from None
 
 
-def _check_common(body: _Common) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            raise _unsupported(name, "; leave it unset or 0")
-    if body.logit_bias:
-        raise _unsupported("logit_bias")
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token id strings -> bias) as (token id, bias) pairs."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 9:
+            raise invalid(f"logit_bias keys must be token ids (decimal strings), got {key!r}",
+                          "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _sampling(body: _Common, *, max_tokens: int | None, logprobs: int | None,
+              structured: StructuredRequest) -> Sampling:
+    """The sampling and stopping fields both endpoints share."""
+    return Sampling(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+        stop=_stop(body.stop), logprobs=logprobs, ignore_eos=bool(body.ignore_eos),
+        top_k=body.top_k, min_p=body.min_p, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias), stop_token_ids=tuple(body.stop_token_ids or ()),
+        min_tokens=body.min_tokens, constraint=structured.constraint)
+
+
+def _structured(body: _Common, **tools: Any) -> StructuredRequest:
+    return structured_request(response_format=body.response_format, guided_json=body.guided_json,
+                              guided_regex=body.guided_regex, guided_choice=body.guided_choice,
+                              guided_grammar=body.guided_grammar, **tools)
 
 
 def completion_request(body: CompletionBody) -> GenerationRequest:
     """POST /v1/completions as a GenerationRequest (400 for unsupported knobs)."""
-    _check_common(body)
     n = 1 if body.n is None else body.n
     if body.best_of is not None and body.best_of != n:
         raise _unsupported("best_of", f" unless equal to n ({n}); use n")
@@ -289,14 +357,39 @@ def completion_request(body: CompletionBody) -> GenerationRequest:
     return GenerationRequest(
         kind="completion", model=body.model, prompts=prompts, n=n, echo=bool(body.echo),
         user=body.user or "", lossy=_lossy(body),
-        sampling=Sampling(max_tokens=body.max_tokens, temperature=body.temperature,
-                          top_p=body.top_p, seed=body.seed, stop=_stop(body.stop),
-                          logprobs=body.logprobs, ignore_eos=bool(body.ignore_eos)))
+        sampling=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                           structured=_structured(body)))
+
+
+def _tool_call(i: int, j: int, call: Any) -> dict[str, Any]:
+    """messages[i].tool_calls[j] as chat templates take it (the arguments as an object, when
+    they are a JSON object: Hugging Face's convention, which vLLM follows)."""
+    param = f"messages[{i}].tool_calls[{j}]"
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or not isinstance(fn.get("arguments", "{}"), str):
+        raise invalid(f"{param} must be {{\"id\": ..., \"type\": \"function\", \"function\": "
+                      "{\"name\": ..., \"arguments\": \"<JSON text>\"}}", param)
+    arguments: Any = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments)
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    except ValueError:
+        pass
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def _turn(i: int, m: ChatMessage) -> ChatTurn:
+    return ChatTurn(m.role, _message_text(i, m), m.name,
+                    tuple(_tool_call(i, j, c) for j, c in enumerate(m.tool_calls or ())),
+                    m.tool_call_id)
 
 
 def _message_text(i: int, m: ChatMessage) -> str:
-    if m.tool_calls:
-        raise _unsupported(f"messages[{i}].tool_calls", " (tools are not supported)")
+    for name in ("function_call", "audio"):
+        if getattr(m, name) is not None:
+            raise _unsupported(f"messages[{i}].{name}")
     if m.content is None:
         return ""
     if isinstance(m.content, str):
@@ -313,15 +406,13 @@ def _message_text(i: int, m: ChatMessage) -> str:
 
 def chat_request(body: ChatCompletionBody) -> GenerationRequest:
     """POST /v1/chat/completions as a GenerationRequest (400 for unsupported knobs)."""
-    _check_common(body)
-    for name in ("tools", "functions", "tool_choice", "function_call", "prediction", "audio"):
+    for name in ("functions", "function_call", "prediction", "audio"):
         if getattr(body, name):
-            raise _unsupported(name)
+            raise _unsupported(name, "; use tools and tool_choice" if "function" in name else "")
     if body.modalities and set(body.modalities) != {"text"}:
         raise _unsupported("modalities", "; only [\"text\"]")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise _unsupported("response_format",
-                           f" with type {body.response_format.get('type')!r}; only 'text'")
+    structured = _structured(body, tools=body.tools, tool_choice=body.tool_choice,
+                             parallel_tool_calls=body.parallel_tool_calls)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -329,14 +420,11 @@ def chat_request(body: ChatCompletionBody) -> GenerationRequest:
         raise invalid("set max_completion_tokens or max_tokens, not both", "max_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    messages = tuple(ChatTurn(m.role, _message_text(i, m), m.name)
-                     for i, m in enumerate(body.messages))
+    messages = tuple(_turn(i, m) for i, m in enumerate(body.messages))
     return GenerationRequest(
         kind="chat", model=body.model, messages=messages, n=1 if body.n is None else body.n,
-        user=body.user or "",
-        sampling=Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          seed=body.seed, stop=_stop(body.stop), logprobs=logprobs,
-                          ignore_eos=bool(body.ignore_eos)),
+        user=body.user or "", tool_calls=structured.tool_calls, tools=tuple(body.tools or ()),
+        sampling=_sampling(body, max_tokens=max_tokens, logprobs=logprobs, structured=structured),
         documents=tuple(DocumentRef(d.id, d.text) for d in body.documents or ()),
         retrieve=(None if body.retrieve is None
                   else Retrieval(body.retrieve.top_k, body.retrieve.query)),

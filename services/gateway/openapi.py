@@ -17,7 +17,9 @@ from pydantic.json_schema import models_json_schema
 
 from kvmesh import __version__
 from kvmesh.kv.quality import LOSSY_KV_CODECS
+from kvmesh.services.gateway.embeddings import EmbeddingsBody
 from kvmesh.services.gateway.openai_schema import ChatCompletionBody, CompletionBody
+from kvmesh.services.gateway.tokenization import DetokenizeBody, TokenizeChatBody, TokenizeTextBody
 
 _REF = "#/components/schemas/{model}"
 
@@ -139,5 +141,52 @@ def openapi_document() -> dict[str, Any]:
             "/health": {"get": {"summary": "Readiness: 200 when an upstream router answers",
                                 "responses": {"200": {"description": "ready"},
                                               "503": {"description": "not ready (the body says why)"}}}},
+            **_extra_paths(schemas),
         },
+    }
+
+
+def _extra_paths(schemas: dict[str, Any]) -> dict[str, Any]:
+    """Embeddings, vLLM's tokenizer endpoints and /version; their body schemas go into `schemas`."""
+    _, defs = models_json_schema([(m, "validation") for m in (EmbeddingsBody, TokenizeTextBody,
+                                                               TokenizeChatBody, DetokenizeBody)],
+                                 ref_template=_REF)
+    schemas.update(defs.get("$defs", {}))
+    ref = lambda name: {"$ref": _REF.format(model=name)}  # noqa: E731
+
+    def post(summary: str, body: dict[str, Any], ok: dict[str, Any], *codes: str) -> dict[str, Any]:
+        return {"post": {"summary": summary, "security": [{"bearer": []}],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": _responses({"description": "OK", "content": {"application/json": {"schema": ok}}},
+                                                 *codes)}}
+
+    obj = lambda **props: {"type": "object", "required": list(props), "properties": props}  # noqa: E731
+    ints = {"type": "array", "items": {"type": "integer"}}
+    return {
+        "/v1/embeddings": post(
+            "Sentence embeddings from the KV service's embedding model (listed in /v1/models with "
+            "kind `embedding`)", ref("EmbeddingsBody"),
+            obj(object={"const": "list"}, model={"type": "string"},
+                data={"type": "array", "items": obj(object={"const": "embedding"}, index={"type": "integer"},
+                                                    embedding={"type": ["array", "string"]})},
+                usage=obj(prompt_tokens={"type": "integer"}, total_tokens={"type": "integer"})),
+            "400", "401", "404", "503"),
+        "/tokenize": post(
+            "vLLM's /tokenize: a prompt, or messages through the chat template, as token ids",
+            {"oneOf": [ref("TokenizeTextBody"), ref("TokenizeChatBody")]},
+            obj(count={"type": "integer"}, max_model_len={"type": "integer"}, tokens=ints,
+                token_strs={"type": ["array", "null"], "items": {"type": "string"}}),
+            "400", "401", "404"),
+        "/detokenize": post("vLLM's /detokenize: token ids as text (special tokens kept)",
+                            ref("DetokenizeBody"), obj(prompt={"type": "string"}), "400", "401", "404"),
+        "/tokenizer_info": {"get": {
+            "summary": "vLLM's /tokenizer_info: the tokenizer's tokenizer_config.json fields (BOS/EOS, "
+                       "chat template) and model_max_length, as lm-eval's remote tokenizer reads them",
+            "security": [{"bearer": []}],
+            "responses": _responses({"description": "OK", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["tokenizer_class"],
+                "properties": {"tokenizer_class": {"type": "string"}}}}}}, "401")}},
+        "/version": {"get": {"summary": "The kvmesh version",
+                             "responses": {"200": {"description": "OK", "content": {"application/json": {
+                                 "schema": obj(version={"type": "string"})}}}}}},
     }

@@ -83,15 +83,17 @@ class PromptBuilder:
         """The text of one token alone (special tokens included)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def chat(self, messages: tuple[ChatTurn, ...]) -> PreparedPrompt:
-        """The conversation rendered with the model's chat template (generation prompt added)."""
-        text = self._render(messages)
+    async def chat(self, messages: tuple[ChatTurn, ...], tools: tuple[dict[str, Any], ...] = ()) -> PreparedPrompt:
+        """The conversation rendered with the model's chat template (generation prompt added);
+        `tools` (OpenAI tool objects) go to the template as its `tools`, as vLLM does."""
+        text = self._render(messages, tools=tools)
         # The template writes any BOS itself, so no special tokens are added (as HF does).
         return PreparedPrompt(tuple(await self._encode(text, special=False)), text)
 
     async def chat_with_documents(self, messages: tuple[ChatTurn, ...],
                                   documents: tuple[DocumentRef, ...],
-                                  retrieve: Retrieval | None) -> PreparedPrompt:
+                                  retrieve: Retrieval | None,
+                                  tools: tuple[dict[str, Any], ...] = ()) -> PreparedPrompt:
         """The conversation in parts, documents before the last user message's content (see
         the module NOTE); the request was validated (a user message, well-formed documents)."""
         # spec.validate_request refused requests without a user message: not checked again here
@@ -100,7 +102,7 @@ class PromptBuilder:
         sentinel = f"<kvmesh-documents-{uuid.uuid4().hex}>"
         marked = list(messages)
         marked[index] = dataclasses.replace(user, content=sentinel + user.content)
-        rendered = self._render(tuple(marked))
+        rendered = self._render(tuple(marked), tools=tools)
         if rendered.count(sentinel) != 1:
             raise invalid("the model's chat template does not render the last user message's "
                           "content exactly once, so documents cannot be placed in it",
@@ -124,16 +126,33 @@ class PromptBuilder:
         return PreparedPrompt((), "".join(text),
                               tuple(p for p in parts if not isinstance(p, Tokens) or p.ids))
 
-    def _render(self, messages: tuple[ChatTurn, ...]) -> str:
+    async def tokenize_chat(self, messages: tuple[ChatTurn, ...], *, add_generation_prompt: bool,
+                            add_special_tokens: bool) -> list[int]:
+        """The ids of the conversation as `chat` renders it (POST /tokenize): the generation prompt
+        and a BOS on top of the template's own as asked."""
+        text = self._render(messages, add_generation_prompt=add_generation_prompt)
+        return await self._encode(text, special=add_special_tokens)
+
+    async def tokenize_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The ids of plain text (POST /tokenize), a BOS in front when asked and the model wants it."""
+        return await self._encode(text, special=add_special_tokens)
+
+    def _render(self, messages: tuple[ChatTurn, ...], *, add_generation_prompt: bool = True,
+                tools: tuple[dict[str, Any], ...] = ()) -> str:
         turns: list[dict[str, Any]] = []
         for m in messages:
             turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                     "content": m.content}
             if m.name:
                 turn["name"] = m.name
+            if m.tool_calls:
+                turn["tool_calls"] = [dict(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
             turns.append(turn)
         try:
-            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+            extra = {"tools": list(tools)} if tools else {}
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, **extra)
         except ValueError as e:
             raise invalid(f"cannot render the messages with the model's chat template: {e}",
                           "messages") from e

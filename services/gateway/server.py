@@ -28,6 +28,7 @@ from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.model.tokenizer import Tokenizer
 from kvmesh.rpc.entry import Service
 from kvmesh.rpc.server import RpcServer
+from kvmesh.services.gateway import embeddings
 from kvmesh.services.gateway.admission import Admission, AdmissionLimits
 from kvmesh.services.gateway.auth import KeyStore
 from kvmesh.services.gateway.config import GatewayConfig
@@ -97,7 +98,8 @@ class GatewayServer:
         self.cfg = cfg
         self.gateway = gateway
         self.telemetry = telemetry
-        self.app = create_app(gateway, telemetry, serve_metrics=cfg.metrics)
+        self.embeddings = embeddings.connect(cfg.kvcache_address, cfg.request_timeout_s, cfg.retry_after_s)
+        self.app = create_app(gateway, telemetry, serve_metrics=cfg.metrics, embeddings=self.embeddings)
         servicer = GatewayServicer(gateway)
         self.service = Service(
             lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
@@ -123,6 +125,8 @@ class GatewayServer:
             return
         self._http.should_exit = True
         await self._http_task
+        if self.embeddings is not None:
+            await self.embeddings.close()
 
     async def start(self) -> tuple[int, int]:
         """Start both servers (HTTP first, so gRPC health SERVING means both are up); returns

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import Unauthenticated
+from kvmesh.grammar import ConstraintKind
 from kvmesh.router.v1 import router_pb2
 from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.admission import Admission, Rejection, Ticket
@@ -37,6 +38,7 @@ from kvmesh.services.gateway.errors import ApiError, invalid, to_api_error
 from kvmesh.prompt_parts import part_to_proto
 from kvmesh.services.gateway.prompts import PreparedPrompt, PromptBuilder
 from kvmesh.services.gateway.slo import TtftPredictor
+from kvmesh.services.gateway import tracing as genai
 from kvmesh.services.gateway.spec import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChoiceDelta,
@@ -44,6 +46,7 @@ from kvmesh.services.gateway.spec import (
     EchoedPrompt,
     GenerationRequest,
     Limits,
+    Sampling,
     TokenLogprob,
     Usage,
     validate_request,
@@ -118,6 +121,7 @@ class Generation:
         first_token = True
         content = self._gateway.options.trace_content
         texts: dict[int, list[str]] = {}
+        finished: dict[int, str] = {}
         try:
             async with contextlib.aclosing(merge(self._gateway.router, self._jobs)) as items:
                 async for item in items:
@@ -129,6 +133,8 @@ class Generation:
                         continue
                     if content and item.text:
                         texts.setdefault(item.index, []).append(item.text)
+                    if item.finish_reason:
+                        finished[item.index] = item.finish_reason
                     if first_token and (item.token_ids or item.text):
                         first_token = False
                         if self._slo_handle is not None:
@@ -140,14 +146,13 @@ class Generation:
                                 ("completion", self.usage.completion_tokens),
                                 ("cached", self.usage.cached_tokens)):
                 self._gateway.metrics.tokens.labels(kind).inc(value)
-            trace.get_current_span().set_attributes({  # GenAI semantic conventions
-                "gen_ai.usage.input_tokens": self.usage.prompt_tokens,
-                "gen_ai.usage.output_tokens": self.usage.completion_tokens,
-                "kvmesh.usage.cached_tokens": self.usage.cached_tokens})
+            reasons = genai.finish_reasons(finished, len(self._jobs))
+            span = trace.get_current_span()
+            span.set_attributes(genai.response_attributes(self.id, self.model.id, self.usage, reasons))
             if content:
-                trace.get_current_span().set_attributes({
-                    "gen_ai.prompt": [p.text for p in self.prompts],
-                    "gen_ai.completion": ["".join(texts.get(i, ())) for i in range(len(self._jobs))]})
+                span.set_attributes(genai.content_attributes(
+                    self.request, [p.text for p in self.prompts],
+                    ["".join(texts.get(i, ())) for i in range(len(self._jobs))], reasons))
         except grpc.aio.AioRpcError as e:
             if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._gateway.metrics.rejected.labels("upstream_exhausted").inc()
@@ -233,18 +238,13 @@ class Gateway:
                     arrival: float) -> Generation:
         """Validate, tokenize, admit and open the upstream streams (see the module docstring)."""
         validate_request(req, self.options.limits)
-        span = trace.get_current_span()
-        span.set_attributes({"gen_ai.system": "kvmesh",
-                             "gen_ai.operation.name": "chat" if req.kind == "chat" else "text_completion",
-                             "gen_ai.request.model": req.model, "kvmesh.tenant": tenant.name})
-        if req.sampling.max_tokens is not None:
-            span.set_attribute("gen_ai.request.max_tokens", req.sampling.max_tokens)
+        trace.get_current_span().set_attributes({**genai.request_attributes(req), "kvmesh.tenant": tenant.name})
         model = await self.model(req.model)
         if req.uses_documents:
             prompts = [await self.prompts.chat_with_documents(req.messages, req.documents,
-                                                              req.retrieve)]
+                                                              req.retrieve, req.tools)]
         elif req.kind == "chat":
-            prompts = [await self.prompts.chat(req.messages)]
+            prompts = [await self.prompts.chat(req.messages, req.tools)]
         else:
             prompts = [await self.prompts.completion(p, i) for i, p in enumerate(req.prompts)]
         max_tokens = [self._max_tokens(req, model, p) for p in prompts]
@@ -345,6 +345,7 @@ class Gateway:
             sampling.logprobs = s.logprobs
         if s.ignore_eos:
             sampling.ignore_eos = True
+        _extras(sampling, s)
         echo = None
         if req.echo:
             placeholders: tuple[TokenLogprob, ...] = ()
@@ -375,3 +376,26 @@ class Gateway:
                                           prompt_text=prompt.text)
         return ChoiceJob(index, prompt_index, request, echo)
 
+
+def _extras(sampling: engine_pb2.SamplingParams, s: Sampling) -> None:
+    """The penalties, vLLM's sampling extensions and the structured output of `s`, set on the
+    engine's SamplingParams only when asked for (unset fields keep the engine's defaults)."""
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    if s.top_k is not None and s.top_k > 0:  # -1 and 0 both mean off
+        sampling.top_k = s.top_k
+    for token, bias in s.logit_bias:
+        sampling.logit_bias[token] = bias
+    sampling.stop_token_ids.extend(s.stop_token_ids)
+    c = s.constraint
+    if c is None:
+        return
+    out = sampling.structured_output
+    if c.kind is ConstraintKind.CHOICE:
+        out.choice.choices.extend(c.choices)
+    elif c.kind is ConstraintKind.JSON_OBJECT:
+        out.json_object.SetInParent()
+    else:
+        setattr(out, str(c.kind), c.text)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from kvmesh.grammar import Constraint
 from kvmesh.limits import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PENALTY,
     MAX_RETRIEVE_K,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -23,11 +26,12 @@ from kvmesh.limits import (
 )
 from kvmesh.kv.quality import LossyOptIn
 from kvmesh.services.gateway.errors import invalid
+from kvmesh.services.gateway.structured import ToolCallOutput
 
 # OpenAI API rules that the engine does not share, so they are the gateway's alone.
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions' `logprobs` (chat's `top_logprobs`: MAX_LOGPROBS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # legacy completions' default max_tokens
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Kind = Literal["completion", "chat"]
 
@@ -45,6 +49,17 @@ class Sampling:
     """None: no log-probabilities; k: each token's log-probability plus its top-k alternatives."""
     ignore_eos: bool = False
     """Generate past end-of-sequence tokens, up to max_tokens (load tests: fixed output lengths)."""
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs."""
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int | None = None
+    constraint: Constraint | None = None
+    """Structured output (checked to compile by the front end that built it)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,11 @@ class ChatTurn:
     role: str
     content: str
     name: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    """An assistant message's earlier tool calls, as chat templates take them: {"id", "type":
+    "function", "function": {"name", "arguments": the arguments as an object}}."""
+    tool_call_id: str | None = None
+    """A tool message: the id of the call it answers."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,10 @@ class GenerationRequest:
     recompute_ratio: float | None = None
     lossy: LossyOptIn | None = None
     """The request's own opt-in to lossy reuse paths (the kvmesh extension), over its tenant's."""
+    tool_calls: ToolCallOutput | None = None
+    """Chat with tool_choice "required" or a named function: the output becomes tool calls."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """Chat: the request's OpenAI tool objects, rendered into the prompt by the chat template."""
 
     @property
     def uses_documents(self) -> bool:
@@ -129,6 +153,10 @@ def validate_request(req: GenerationRequest, limits: Limits) -> None:
         if turn.role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role {turn.role!r} is not supported; use one of "
                           f"{', '.join(CHAT_ROLES)}", f"messages[{i}].role")
+        if turn.role == "tool" and not turn.tool_call_id:
+            raise invalid(f"messages[{i}] is a tool message without tool_call_id; send the id of "
+                          "the tool call it answers", f"messages[{i}].tool_call_id",
+                          "missing_required_parameter")
     if not 1 <= req.n <= limits.max_n:
         raise invalid(f"n must be in 1..{limits.max_n}, got {req.n}", "n")
     if s.max_tokens is not None and s.max_tokens < 1:
@@ -142,6 +170,7 @@ def validate_request(req: GenerationRequest, limits: Limits) -> None:
     if s.seed is not None and not 0 <= s.seed <= MAX_SEED - limits.max_n:
         raise invalid(f"seed must be in 0..{MAX_SEED - limits.max_n}, got {s.seed}", "seed")
     _validate_stop(s.stop)
+    _validate_extras(s)
     if s.logprobs is not None:
         top = MAX_COMPLETION_LOGPROBS if req.kind == "completion" else MAX_LOGPROBS
         param = "logprobs" if req.kind == "completion" else "top_logprobs"
@@ -150,6 +179,33 @@ def validate_request(req: GenerationRequest, limits: Limits) -> None:
     if req.echo and req.kind != "completion":
         raise invalid("echo is only supported by completions", "echo")
     _validate_documents(req)
+
+
+def _validate_extras(s: Sampling) -> None:
+    """The penalties and vLLM's sampling extensions (their engine-side twins: SamplingParams)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if value is not None and (not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise invalid(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", name)
+    r = s.repetition_penalty
+    if r is not None and (not math.isfinite(r) or r <= 0):
+        raise invalid(f"repetition_penalty must be > 0 (1 disables it), got {r}", "repetition_penalty")
+    if s.top_k is not None and s.top_k < -1:
+        raise invalid(f"top_k must be -1 or 0 (both disable it) or positive, got {s.top_k}", "top_k")
+    if s.min_p is not None and (math.isnan(s.min_p) or not 0.0 <= s.min_p <= 1.0):
+        raise invalid(f"min_p must be in [0, 1], got {s.min_p}", "min_p")
+    for token, bias in s.logit_bias:
+        if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                          f"{MAX_LOGIT_BIAS:g}], got {bias}", "logit_bias")
+    if any(t < 0 or t >= 2**32 for t in s.stop_token_ids):
+        raise invalid("stop_token_ids must be token ids of the model's vocabulary", "stop_token_ids")
+    if s.min_tokens is not None:
+        if s.min_tokens < 0:
+            raise invalid(f"min_tokens must be >= 0, got {s.min_tokens}", "min_tokens")
+        if s.max_tokens is not None and s.min_tokens > s.max_tokens:
+            raise invalid(f"min_tokens ({s.min_tokens}) must not exceed max_tokens ({s.max_tokens})",
+                          "min_tokens")
 
 
 def _validate_documents(req: GenerationRequest) -> None:

@@ -1,9 +1,12 @@
 """What the KV service's two servicers (the blob store and the catalog) share: the tiered store,
 the catalog over it, the embedder, and the threads their blocking calls run on.
 
-Store calls block (LMDB commits with fsync), so they run on one I/O thread, never on the event
-loop; one thread for both servicers keeps the store's and the catalog's writes in one order.
-Embedding runs on a thread of its own, so a slow embedding never holds up the store.
+Store calls block (LMDB commits with fsync), so they run on threads, never on the event loop:
+writes and the catalog on one I/O thread (both servicers: their writes keep one order), the
+blob store's reads (Lookup, Get) on a read thread of their own, so a lookup never waits behind a
+queue of Puts and their fsyncs (the tiers lock per call, and the LMDB tier takes its index lock
+only around a commit, not across it). A read sees every Put whose answer was sent before the read
+arrived. Embedding runs on a thread of its own, so a slow embedding never holds up the store.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 
 from kvmesh.embed import DIM, Embedder, check_unit_vector
 from kvmesh.errors import InvalidArgument
+from kvmesh.limits import MAX_EMBED_TEXTS
 from kvmesh.services.kvcache.catalog import Catalog
 from kvmesh.services.kvcache.index import Kind
 from kvmesh.services.kvcache.metrics import KvcacheMetrics
@@ -45,11 +49,13 @@ class Backend:
         self.catalog.load()
         self.update_gauges()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-io")
+        self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-read")
         self._embed_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-embed")
 
     def close(self) -> None:
         """Waits for queued store work, then closes the store."""
         self._embed_pool.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self.store.close()
 
@@ -61,6 +67,10 @@ class Backend:
     async def run(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` on the I/O thread."""
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)`, a blob-store read, on the read thread (see the module docstring)."""
+        return await asyncio.get_running_loop().run_in_executor(self._reads, fn, *args)
 
     async def vector(self, text: str | None, values: Sequence[float], what: str) -> np.ndarray | None:
         """The embedding of ``text`` (computed on the embedder thread), else the client's
@@ -76,6 +86,32 @@ class Backend:
             except ValueError as err:
                 raise InvalidArgument(f"{what}: {err}") from None
         return None
+
+    async def embed_texts(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        """``texts`` -> (``[n, dim]`` unit vectors, tokens per text), on the embedder thread;
+        InvalidArgument naming the first empty or too long text (never silently truncated)."""
+        if not texts or len(texts) > MAX_EMBED_TEXTS:
+            raise InvalidArgument(f"Embed: send 1..{MAX_EMBED_TEXTS} texts, got {len(texts)}")
+        empty = next((i for i, t in enumerate(texts) if not t), None)
+        if empty is not None:
+            raise InvalidArgument(f"Embed: text {empty} is empty; send at least one character")
+
+        def run() -> tuple[np.ndarray, list[int]]:
+            counts = self.embedder.token_counts(texts)
+            limit = self.embedder.max_tokens
+            over = next((i for i, n in enumerate(counts) if n > limit), None)
+            if over is not None:
+                raise InvalidArgument(
+                    f"Embed: text {over} has {counts[over]} tokens, but the embedding model "
+                    f"{self.embedder.name} reads at most {limit}; shorten it or split it")
+            return self.embedder.embed(texts), counts
+
+        return await asyncio.get_running_loop().run_in_executor(self._embed_pool, run)
+
+    async def embedding_model(self) -> tuple[str, int, int]:
+        """(name, dimensions, max_tokens) of the embedder (loaded on the embedder thread)."""
+        await asyncio.get_running_loop().run_in_executor(self._embed_pool, self.embedder.token_counts, [])
+        return self.embedder.name, self.embedder.dim, self.embedder.max_tokens
 
     async def sweep_forever(self, interval_s: float) -> None:
         """Removes expired entries every `interval_s` seconds (reads already treat them as misses;

@@ -77,7 +77,7 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
             raise InvalidArgument(f"Lookup: {len(keys)} keys of chunk_tokens {request.chunk_tokens} can be "
                                   f"more than {_UINT32_MAX} tokens; send the engine's chunk size (tokens per "
                                   "chunk), or 0 to leave prefix_tokens unreported")
-        where = await b.run(b.store.contains_many, keys)
+        where = await b.read(b.store.contains_many, keys)
         tiers = [_TIERS[name] if name else pb.TIER_UNSPECIFIED for name in where]
         prefix = next((i for i, name in enumerate(where) if not name), len(where))
         b.metrics.record_lookup(len(keys), prefix, request.chunk_tokens)
@@ -171,7 +171,7 @@ class KvcacheServicer(kvcache_pb2_grpc.KvcacheServiceServicer):
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
         b = self.backend
         keys = _check_keys(request.keys, "Get")
-        found = await b.run(self._get_verified, keys)
+        found = await b.read(self._get_verified, keys)
         b.metrics.record_get(len(keys))
         trace.get_current_span().set_attributes({
             "kvmesh.kv.keys": len(keys), "kvmesh.kv.found_chunks": sum(1 for blob, _ in found if blob is not None),
@@ -300,6 +300,15 @@ class KvCatalogServicer(kvcache_pb2_grpc.KvCatalogServiceServicer):
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         await b.run(b.catalog.set_document_ttl, namespace_digest(request, "SetDocumentTtl"), request.document_id, ttl)
         return pb.SetDocumentTtlResponse()
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        vectors, counts = await self.backend.embed_texts(list(request.texts))
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors],
+                                token_counts=counts, model=self.backend.embedder.name)
+
+    async def GetEmbeddingModel(self, request: pb.GetEmbeddingModelRequest, context) -> pb.EmbeddingModel:
+        name, dim, max_tokens = await self.backend.embedding_model()
+        return pb.EmbeddingModel(name=name, dimensions=dim, max_tokens=max_tokens)
 
 
 def _document_pb(doc: Document, *, full: bool) -> pb.Document:

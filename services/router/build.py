@@ -41,7 +41,8 @@ def build_router(cfg: RouterConfig, metrics: RouterMetrics) -> Router:
     first call."""
     topology = cfg.topology
     knobs = PlacementKnobs(cfg.policy, cfg.probe_timeout_s, cfg.load_weight,
-                           cfg.generate_timeout_s, cfg.stall_timeout_s, cfg.migration_limit)
+                           cfg.generate_timeout_s, cfg.stall_timeout_s, cfg.migration_limit,
+                           cfg.pd_min_prompt_tokens)
     pools = {
         tier.name: TierPool(tier, [build_backend(r, cfg) for r in tier.replicas], knobs,
                             TierState([r.label for r in tier.replicas], cfg.down_backoff_s), metrics)

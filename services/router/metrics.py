@@ -39,6 +39,11 @@ class RouterMetrics:
             "Requests whose replica failed mid-stream, by outcome: migrated (continued on "
             "another replica), failed (no replica took the continuation) or limit (moved "
             "--migration-limit times already).", ["tier", "outcome"], registry=registry)
+        self.pd_routes = Counter(
+            metric_name("router", "pd_routes"),
+            "Requests of P/D tiers by route: pd (a prefill hop, then a decode hop) or colocated, "
+            "with why (short_prompt, one_token, not_token_ids, resumed, too_long, pool_down, "
+            "prefill_failed).", ["tier", "route", "reason"], registry=registry)
         self.generated_tokens = Counter(
             metric_name("router", "generated_tokens"),
             "Tokens generated per tier, kept or not (a cascade's discarded answers included).",

@@ -41,8 +41,8 @@ def _status(code: int) -> grpc.StatusCode:
 
 
 def completion_body(request: engine_pb2.GenerateRequest, model: str, prompt: str) -> dict:
-    """The /v1/completions JSON for `request` (vLLM's extensions for top_k, ignore_eos and
-    stop_token_ids, sent only when set)."""
+    """The /v1/completions JSON for `request` (vLLM's extensions for top_k, min_p, min_tokens,
+    repetition_penalty, ignore_eos, stop_token_ids and structured output, sent only when set)."""
     sp = request.sampling
     body: dict[str, Any] = {"model": model, "prompt": prompt, "stream": True,
                             "stream_options": {"include_usage": True}}
@@ -57,7 +57,28 @@ def completion_body(request: engine_pb2.GenerateRequest, model: str, prompt: str
         body["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.ignore_eos:
         body["ignore_eos"] = True
+    for field in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+        if sp.HasField(field):
+            body[field] = getattr(sp, field)
+    if sp.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in sp.logit_bias.items()}
+    if sp.HasField("structured_output"):
+        body.update(_structured_body(sp.structured_output))
     return body
+
+
+def _structured_body(so: engine_pb2.StructuredOutput) -> dict[str, Any]:
+    """A constraint as vLLM's guided-decoding fields of a completions body."""
+    kind = so.WhichOneof("kind")
+    if kind == "json_schema":
+        return {"guided_json": json.loads(so.json_schema)}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "choice":
+        return {"guided_choice": list(so.choice.choices)}
+    if kind == "regex":
+        return {"guided_regex": so.regex}
+    return {"guided_grammar": so.grammar}
 
 
 def _logprobs(lp: dict | None) -> list[common_pb2.TokenLogprobs]:

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 _POLICIES = {"kv_aware": router_pb2.PLACEMENT_POLICY_KV_AWARE,
              "round_robin": router_pb2.PLACEMENT_POLICY_ROUND_ROBIN,
              "least_loaded": router_pb2.PLACEMENT_POLICY_LEAST_LOADED,
-             "failover": router_pb2.PLACEMENT_POLICY_FAILOVER}
+             "failover": router_pb2.PLACEMENT_POLICY_FAILOVER,
+             "pd": router_pb2.PLACEMENT_POLICY_PD}
 _SIGNALS = {"": router_pb2.CONFIDENCE_SIGNAL_UNSPECIFIED,
             "mean_logprob": router_pb2.CONFIDENCE_SIGNAL_MEAN_LOGPROB,
             "min_logprob": router_pb2.CONFIDENCE_SIGNAL_MIN_LOGPROB,

@@ -7,7 +7,9 @@ compact textual specs (flags or KVMESH_ROUTER_* variables) into small frozen dat
 A tier is `NAME=REPLICA[,REPLICA...][@COST]`, tiers separated by `;`. COST is the tier's cost
 per generated token (any unit, default 1.0). A REPLICA is a kvmesh engine `host:port`, or an
 OpenAI-compatible HTTP endpoint `http(s)://host:port/v1#MODEL` (the part after `#` is the model
-name sent in its requests). A cascade is `NAME=TIER,TIER[,...]`, cheapest tier first, cascades
+name sent in its requests). An engine may carry a P/D role, `host:port/prefill` or
+`host:port/decode` (engines started with the same --role): a tier with both kinds serves long
+prompts disaggregated (see the NOTE on P/D in pool.py). A cascade is `NAME=TIER,TIER[,...]`, cheapest tier first, cascades
 separated by `;`. Names are letters, digits and `._:/-`, unique over tiers and cascades.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Replica:
     address: str                      # "host:port" (engine) or the base URL (".../v1")
     kind: Literal["engine", "openai"]
     model: str = ""                   # openai only: the model name its requests carry
+    role: Literal["both", "prefill", "decode"] = "both"  # engines only: P/D disaggregation
 
     @property
     def label(self) -> str:
@@ -89,7 +92,8 @@ def _check_name(name: str, what: str, flag: str, example: str) -> str:
 
 
 def parse_replica(text: str, flag: str = "--tiers") -> Replica:
-    """`host:port` → an engine replica; `http(s)://host:port/v1#MODEL` → an OpenAI one."""
+    """`host:port[/prefill|/decode]` → an engine replica; `http(s)://host:port/v1#MODEL` → an
+    OpenAI one."""
     text = text.strip()
     if "://" in text:
         url, _, model = text.partition("#")
@@ -101,12 +105,16 @@ def parse_replica(text: str, flag: str = "--tiers") -> Replica:
             raise ConfigError(f"{flag}: OpenAI-compatible replica {text!r} needs its model name "
                               f"after '#', e.g. {url}#qwen2.5-0.5b-instruct")
         return Replica(url.rstrip("/"), "openai", model)
+    text, slash, role = text.partition("/")
+    if slash and role not in ("prefill", "decode"):
+        raise ConfigError(f"{flag}: replica {text}/{role}: the role after '/' must be prefill or decode "
+                          f"(P/D disaggregation), e.g. {text}/prefill")
     match = _HOST_PORT.match(text)
     if not match or not 0 < int(match.group(2)) <= 65535:
         raise ConfigError(f"{flag}: replica {text!r} is neither a kvmesh engine host:port "
                           "(e.g. 127.0.0.1:50061) nor an OpenAI-compatible URL "
                           "(e.g. http://127.0.0.1:8001/v1#MODEL)")
-    return Replica(text, "engine")
+    return Replica(text, "engine", role=role or "both")
 
 
 def parse_tiers(spec: str, flag: str = "--tiers") -> tuple[Tier, ...]:

@@ -100,7 +100,7 @@ def test_services_reach_each_other_by_service_name_and_configured_port(configs):
     assert engine.kvcache_address == f"kvcache:{kv.server.port}"
     assert engine.draft_address == f"draft:{draft.server.port}"
     [tier] = router.topology.tiers
-    assert tier.name == engine.served_name          # what clients ask for by name
+    assert tier.name == engine.served_model_name          # what clients ask for by name
     assert [(r.kind, r.address) for r in tier.replicas] == [("engine", f"engine:{engine.server.port}")]
     assert gateway.router_address == f"router:{router.server.port}"
 
@@ -134,7 +134,7 @@ def test_start_order_waits_for_healthy_upstreams(services, configs):
     upstream_addresses = {
         "engine": [configs["engine"].kvcache_address, configs["engine"].draft_address],
         "router": [r.address for t in configs["router"].topology.tiers for r in t.replicas],
-        "gateway": [configs["gateway"].router_address],
+        "gateway": [configs["gateway"].router_address, configs["gateway"].kvcache_address],
     }
     for name in KVMESH:
         depends = services[name]["depends_on"]

@@ -162,10 +162,12 @@ async def test_async_client_chat_and_completions(aclient):
     assert chunks[-1].usage.completion_tokens == 2
 
 
-def test_tenant_default_salt_and_unknown_fields_ignored(client, gateway):
-    client.chat.completions.create(model=MODEL, messages=USER, user="u1",
-                                   extra_body={"some_future_field": {"x": 1}})
+def test_tenant_default_salt_and_unknown_fields_refused(client, gateway):
+    client.chat.completions.create(model=MODEL, messages=USER, user="u1")
     assert gateway.state.calls[0].request.request.cache_salt == "tenant:default"
+    with pytest.raises(openai.BadRequestError) as e:  # refused, not ignored: see openai_schema
+        client.chat.completions.create(model=MODEL, messages=USER, extra_body={"some_future_field": {"x": 1}})
+    assert e.value.body["param"] == "some_future_field"
 
 
 def test_health_and_metrics(gateway, client):
@@ -191,7 +193,8 @@ def test_openapi_document_describes_the_api(gateway):
     doc = r.json()
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                 "/v1/models/{model_id}", "/health"}
+                                 "/v1/models/{model_id}", "/health", "/v1/embeddings", "/tokenize",
+                                 "/detokenize", "/tokenizer_info", "/version"}
     schemas = doc["components"]["schemas"]
 
     def refs(node):

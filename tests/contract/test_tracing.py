@@ -1,6 +1,7 @@
 """One client request is one trace: the HTTP SERVER span parents the router call's context."""
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -52,11 +53,17 @@ def test_http_span_context_reaches_the_router_call(gateway):
         assert server.attributes["http.response.status_code"] == 200
         # GenAI semantic conventions, and no content unless the operator opts in
         usage = r.json()["usage"]
+        assert server.attributes["gen_ai.provider.name"] == "kvmesh"
         assert server.attributes["gen_ai.operation.name"] == "chat"
         assert server.attributes["gen_ai.request.model"] == MODEL
         assert server.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
         assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
-        assert not any(k in server.attributes for k in ("gen_ai.prompt", "gen_ai.completion"))
+        assert server.attributes["gen_ai.usage.cache_read.input_tokens"] == 0
+        assert server.attributes["gen_ai.response.id"] == r.json()["id"]
+        assert list(server.attributes["gen_ai.response.finish_reasons"]) == [r.json()["choices"][0]["finish_reason"]]
+        deprecated = ("gen_ai.system", "gen_ai.prompt", "gen_ai.completion", "kvmesh.usage.cached_tokens")
+        assert not any(k in server.attributes for k in deprecated)
+        assert not any(k in server.attributes for k in ("gen_ai.input.messages", "gen_ai.output.messages"))
     finally:
         processor.shutdown()
 
@@ -75,7 +82,11 @@ def test_content_is_recorded_only_when_the_operator_opts_in():
             assert exporter.seen.wait(5)
         [server] = [s for s in exporter.get_finished_spans()
                     if s.name == "POST /v1/chat/completions" and s.kind is SpanKind.SERVER]
-        assert "hi there" in server.attributes["gen_ai.prompt"][0]
-        assert list(server.attributes["gen_ai.completion"]) == [r.json()["choices"][0]["message"]["content"]]
+        choice = r.json()["choices"][0]
+        assert json.loads(server.attributes["gen_ai.input.messages"]) == [
+            {"role": "user", "parts": [{"type": "text", "content": "hi there"}]}]
+        assert json.loads(server.attributes["gen_ai.output.messages"]) == [
+            {"role": "assistant", "parts": [{"type": "text", "content": choice["message"]["content"]}],
+             "finish_reason": choice["finish_reason"]}]
     finally:
         processor.shutdown()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -54,13 +55,19 @@ def test_up_serves_a_tiny_qwen2_and_a_mismatched_gateway_refuses(tmp_path):
     try:
         base = f"http://127.0.0.1:{ports['http']}/v1"
         with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120) as client:
-            assert [m.id for m in client.models.list().data] == ["tiny-qwen2"]
+            # the served model, then the KV service's embedding model (POST /v1/embeddings)
+            assert [(m.id, m.kind) for m in client.models.list().data] == [
+                ("tiny-qwen2", "generation"), ("all-MiniLM-L6-v2", "embedding")]
+            assert len(client.embeddings.create(model="all-MiniLM-L6-v2", input="cache").data[0].embedding) == 384
             chat = client.chat.completions.create(model="tiny-qwen2", max_tokens=8, temperature=0,
                                                   messages=[{"role": "user", "content": "Hello there"}])
             assert chat.model == "tiny-qwen2" and chat.usage.completion_tokens >= 1
             tok = source_tokenizer(str(model))
             prompt = tok.apply_chat_template([{"role": "user", "content": "Hello there"}])
             assert chat.usage.prompt_tokens == len(tok.encode(prompt))  # ChatML from tokenizer_config.json
+            tokenized = httpx.post(base.removesuffix("/v1") + "/tokenize", timeout=60, json={
+                "model": "tiny-qwen2", "messages": [{"role": "user", "content": "Hello there"}]}).json()
+            assert tokenized["tokens"] == tok.encode(prompt)  # the gateway's /tokenize, as vLLM's
             want = _hf_greedy(model, tok.encode(prompt), 8, tok.eos_token_ids)
             assert chat.choices[0].message.content == tok.decode(want)  # transformers' greedy answer
             stream = client.completions.create(model="tiny-qwen2", prompt="The cache", max_tokens=6,

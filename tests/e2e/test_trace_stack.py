@@ -4,8 +4,10 @@ then the spans from all five services checked for one trace with the expected pa
 structure and the right token counts and cache-hit attributes."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -55,28 +57,36 @@ def _value(v):
     return getattr(v, kind) if kind else None
 
 
-@pytest.fixture(scope="module")
-def traced_stack(tmp_path_factory):
+@contextlib.contextmanager
+def traced_up(data_dir, **plan) -> Iterator[tuple[dict, Receiver]]:
+    """`kvmesh up` (StackPlan(**plan), free ports, state in `data_dir`) with every process
+    exporting its spans to a Receiver in this test; yields ({name: ServiceProc}, receiver)."""
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVMESH_DATA_DIR", str(tmp_path_factory.mktemp("stack")))
+    mp.setenv("KVMESH_DATA_DIR", str(data_dir))
     mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"127.0.0.1:{port}")
     mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export batches every 100 ms
     ports = launcher.StackPorts(http=launcher.free_port(), gateway=launcher.free_port(),
                                 router=launcher.free_port(), engine=launcher.free_port(),
                                 kvcache=launcher.free_port(), draft=launcher.free_port())
-    procs = launcher.up(launcher.StackPlan(ports=ports, engine_args=("--kv-cache-bytes", str(64 << 20),
-                                                                       "--kv-chunk-tokens", "64")))
     try:
+        procs = launcher.up(launcher.StackPlan(ports=ports, **plan))
         yield {p.name: p for p in procs}, receiver
     finally:
         launcher.down()
         mp.undo()
         server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def traced_stack(tmp_path_factory):
+    with traced_up(tmp_path_factory.mktemp("stack"),
+                   engine_args=("--kv-cache-bytes", str(64 << 20), "--kv-chunk-tokens", "64")) as stack:
+        yield stack
 
 
 def _chat(stack, trace_id: str, parent: str, text: str):
@@ -148,11 +158,13 @@ def test_one_request_is_one_trace_across_all_five_services(traced_stack):
 
     # token counts where the issue asks for them
     assert http["attrs"]["gen_ai.request.model"] == MODEL
+    assert http["attrs"]["gen_ai.provider.name"] == engine["attrs"]["gen_ai.provider.name"] == "kvmesh"
+    assert "gen_ai.system" not in http["attrs"] and "gen_ai.system" not in engine["attrs"]
     assert http["attrs"]["gen_ai.usage.input_tokens"] == usage.prompt_tokens
     assert http["attrs"]["gen_ai.usage.output_tokens"] == usage.completion_tokens > 0
     assert engine["attrs"]["gen_ai.usage.input_tokens"] == usage.prompt_tokens
     assert engine["attrs"]["gen_ai.usage.output_tokens"] == usage.completion_tokens
-    assert engine["attrs"]["kvmesh.engine.cached_tokens"] == 0
+    assert engine["attrs"]["gen_ai.usage.cache_read.input_tokens"] == 0
 
     # the same prompt again: a cache hit, and the trace says so
     again = _chat(stack, second_trace, caller, text)
@@ -160,8 +172,8 @@ def test_one_request_is_one_trace_across_all_five_services(traced_stack):
     assert receiver.wait(complete(second_trace, puts=False), 60)
     spans = [s for s in receiver.spans if s["trace"] == second_trace]
     [engine2] = [s for s in spans if s["service"] == "kvmesh-engine" and s["name"].endswith("EngineService/Generate")]
-    assert engine2["attrs"]["kvmesh.engine.cached_tokens"] == again.prompt_tokens_details.cached_tokens
+    assert engine2["attrs"]["gen_ai.usage.cache_read.input_tokens"] == again.prompt_tokens_details.cached_tokens
     [http2] = [s for s in spans if s["name"] == "POST /v1/chat/completions"]
-    assert http2["attrs"]["kvmesh.usage.cached_tokens"] == again.prompt_tokens_details.cached_tokens
+    assert http2["attrs"]["gen_ai.usage.cache_read.input_tokens"] == again.prompt_tokens_details.cached_tokens
     lookups = [s for s in spans if s["service"] == "kvmesh-kvcache" and s["name"].endswith("/Lookup")]
     assert lookups  # the engine still asks the KV service, for the chunks its own cache lacks

@@ -23,7 +23,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-VALID = {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+VALID = {"model": "tiny", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+         "tokens": [104, 105], "input": "hi"}
 """A valid value for each property a body schema requires (KeyError here: the schema gained a
 required property; add a value for it)."""
 
@@ -98,7 +99,8 @@ def body_schemas(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
         op = ops.get("post")
         if op is None:
             continue
-        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        node = op["requestBody"]["content"]["application/json"]["schema"]
+        ref = node["$ref"] if "$ref" in node else node["oneOf"][0]["$ref"]  # /tokenize: prompt or messages
         schema = dict(schemas[ref.rsplit("/", 1)[1]])
         props = {}
         for name, prop in schema.get("properties", {}).items():  # resolve the messages' item ref

@@ -191,6 +191,13 @@ def test_engine_grpc(engine, n_cases):
             engine_pb2.GenerateRequest(request_id="r1", text="Hello", sampling=engine_pb2.SamplingParams(
                 max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, seed=3, logprobs=2, prompt_logprobs=1,
                 stop=["a"], stop_token_ids=[256])),
+            engine_pb2.GenerateRequest(token_ids=prompt, sampling=engine_pb2.SamplingParams(
+                max_tokens=4, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                logit_bias={65: 2.0}, min_p=0.1, min_tokens=2,
+                structured_output=engine_pb2.StructuredOutput(regex="[a-c]+"))),
+            engine_pb2.GenerateRequest(token_ids=prompt, sampling=engine_pb2.SamplingParams(
+                max_tokens=4, structured_output=engine_pb2.StructuredOutput(
+                    choice=engine_pb2.Choices(choices=["yes", "no"])))),
             engine_pb2.GenerateRequest(token_ids=prompt, sampling=sampling, resume_token_ids=common_pb2.TokenIds(
                 ids=[1]), speculation=engine_pb2.SPECULATION_NGRAM,
                 kv_storage=engine_pb2.KvStorage(codec=engine_pb2.KV_CODEC_INT8)),

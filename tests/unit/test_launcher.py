@@ -43,6 +43,26 @@ def test_replicas_and_cascade_split_the_cores_and_configure_the_router(monkeypat
     assert router["--policy"] == "round_robin"
 
 
+def test_pd_starts_prefill_and_decode_engines_in_one_tier(monkeypatch):
+    monkeypatch.setattr("kvmesh.launcher.usable_cores", lambda: 4)
+    specs = {s.name: s for s in stack_services(StackPlan(ports=StackPorts(engine=6000), pd=(1, 2)), Path("/d"))}
+    engines = ("engine-prefill-0", "engine-decode-1", "engine-decode-2")
+    assert [specs[n].port for n in engines] == [6000, 6001, 6002]
+    assert [_args(specs[n])["--role"] for n in engines] == ["prefill", "decode", "decode"]
+    assert {_args(specs[n])["--threads"] for n in engines} == {"1"}  # 4 cores over 3 engines
+    assert all(_args(specs[n])["--kvcache-address"] for n in engines)  # the handoff goes through it
+    assert _args(specs["router"])["--tiers"] == ("smollm2-135m-instruct=127.0.0.1:6000/prefill,"
+                                                 "127.0.0.1:6001/decode,127.0.0.1:6002/decode@1.0")
+
+
+def test_pinned_engines_get_their_own_cpus(monkeypatch):
+    monkeypatch.setattr("kvmesh.launcher.usable_cores", lambda: 4)
+    monkeypatch.setattr("kvmesh.launcher.os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    specs = {s.name: s for s in stack_services(StackPlan(pd=(1, 1), pin_engines=True), Path("/d"))}
+    pinned = [_args(specs[n]) for n in ("engine-prefill-0", "engine-decode-1")]
+    assert [(a["--cpus"], a["--threads"]) for a in pinned] == [("0,1", "2"), ("2,3", "2")]
+
+
 def test_every_service_but_the_gateway_gets_a_metrics_port(monkeypatch):
     monkeypatch.setattr("kvmesh.launcher.usable_cores", lambda: 2)
     plan = StackPlan(replicas=2, ports=StackPorts(metrics=9400))

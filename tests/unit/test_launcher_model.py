@@ -31,7 +31,7 @@ def test_one_flag_sets_every_service(qwen):
     name = str(qwen)  # as vLLM: the model as given is the served name
     for engine in ("engine", "engine-cheap"):
         assert _args(specs[engine])["--model"] == str(qwen)
-        assert _args(specs[engine])["--served-name"] == name
+        assert _args(specs[engine])["--served-model-name"] == name
     assert _args(specs["gateway"])["--model"] == str(qwen)
     router = _args(specs["router"])
     assert router["--tiers"].startswith(f"{name}=127.0.0.1:50061@1.0;") and router["--default-model"] == name
@@ -46,7 +46,7 @@ def test_served_model_name_draft_model_and_chat_template(qwen, tmp_path):
     plan = _plan(build_parser().parse_args(["up", "--model", str(qwen), "--served-model-name", "tiny",
                                             "--draft-model", str(qwen), "--chat-template", str(template)]))
     specs = {s.name: s for s in stack_services(plan, Path("/d"))}
-    assert _args(specs["engine"])["--served-name"] == "tiny"
+    assert _args(specs["engine"])["--served-model-name"] == "tiny"
     assert _args(specs["router"])["--tiers"] == "tiny=127.0.0.1:50061@1.0"
     assert _args(specs["draft"])["--draft-model"] == str(qwen)
     assert _args(specs["gateway"])["--chat-template"] == str(template)
@@ -56,7 +56,7 @@ def test_served_model_name_draft_model_and_chat_template(qwen, tmp_path):
 def test_bundled_model_keeps_its_own_draft_and_name():
     specs = {s.name: s for s in stack_services(StackPlan(), Path("/d"))}
     assert "--draft-model" not in _args(specs["draft"])
-    assert _args(specs["engine"])["--served-name"] == "smollm2-135m-instruct"
+    assert _args(specs["engine"])["--served-model-name"] == "smollm2-135m-instruct"
     assert _args(specs["gateway"])["--model"] == "bundled"
 
 

@@ -5,7 +5,11 @@ A chunk is ``chunk_tokens`` consecutive tokens of one sequence (all layers of th
 * prefix key of chunk i = H("prefix", key of chunk i-1 ‖ namespace ‖ token ids of chunk i): equal
   only when the whole prefix up to and including the chunk is equal, so a hit on key i means the
   cached KV was computed with exactly the same preceding context;
-* content key = H("content", namespace ‖ token ids): the same text anywhere (blending, later).
+* content key = H("content", namespace ‖ token ids): the same text anywhere (blending, later);
+* tail key of a prompt = H("tail", key of its last full chunk (zeros if none) ‖ namespace ‖ token
+  ids after it): its trailing partial chunk, stored only for a P/D handoff (the decode engine
+  then computes none of the prompt but its last block). Its own personalization: a tail key never
+  equals a chunk key.
 
 H is blake2b (32 bytes) with a personalization per key kind, over little-endian u32 token ids: the
 same on every process and machine (never Python's ``hash()``, which is salted per process).
@@ -50,6 +54,22 @@ def prefix_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: bytes) -
         parent = h.digest()
         keys.append(parent)
     return keys
+
+
+def tail_key(token_ids: Sequence[int], chunk_tokens: int, namespace: bytes,
+             keys: Sequence[bytes] | None = None) -> bytes | None:
+    """The key of ``token_ids``' trailing partial chunk, chained to its full chunks' keys
+    (``keys``: prefix_keys of the same tokens, computed here when not given); None when the tokens
+    end on a chunk boundary."""
+    keys = prefix_keys(token_ids, chunk_tokens, namespace) if keys is None else keys
+    start = len(keys) * chunk_tokens
+    if start >= len(token_ids):
+        return None
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvmesh-tail")
+    h.update(keys[-1] if keys else b"\0" * KEY_BYTES)
+    h.update(namespace)
+    h.update(_token_bytes(token_ids[start:]))
+    return h.digest()
 
 
 def content_key(chunk_token_ids: Sequence[int], namespace: bytes) -> bytes:

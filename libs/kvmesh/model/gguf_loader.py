@@ -220,6 +220,12 @@ def convert_gguf(path: str | Path, out_dir: str | Path, *, progress: bool = True
     return config
 
 
+def conversion_folder(digest: str, cache_dir: str | Path | None = None) -> Path:
+    """The cache folder of the GGUF file whose sha256 is ``digest`` (a folder once converted)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "gguf" / f"{digest}-v{CONVERSION_VERSION}"
+
+
 def ensure_converted(path: str | Path, *, cache_dir: str | Path | None = None, progress: bool = True,
                      digest: str | None = None) -> tuple[Path, str]:
     """The cache folder holding ``path`` converted (converting it first if needed), and its sha256."""
@@ -227,8 +233,7 @@ def ensure_converted(path: str | Path, *, cache_dir: str | Path | None = None, p
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} not found")
     digest = digest or sha256_file(path)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    entry = root / "gguf" / f"{digest}-v{CONVERSION_VERSION}"
+    entry = conversion_folder(digest, cache_dir)
     if not entry.is_dir():
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-", dir=entry.parent))

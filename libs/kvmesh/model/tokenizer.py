@@ -154,7 +154,12 @@ class Tokenizer:
         """Write ``tokenizer.json`` + ``tokenizer_config.json`` (loadable by from_hf_folder and HF)."""
         folder = Path(folder)
         self._tok.save(str(folder / "tokenizer.json"))
-        cfg = {
+        (folder / "tokenizer_config.json").write_text(json.dumps(self.hf_config(), indent=2, ensure_ascii=False))
+
+    def hf_config(self) -> dict[str, Any]:
+        """This tokenizer's ``tokenizer_config.json`` (HF's fields: class, BOS/EOS pieces, whether a
+        BOS is added, chat template); also what the gateway's GET /tokenizer_info serves."""
+        return {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self._piece_or_none(self._bos_id),
             "eos_token": self._piece_or_none(self._eos_ids[0] if self._eos_ids else None),
@@ -162,7 +167,6 @@ class Tokenizer:
             "clean_up_tokenization_spaces": False,
             "chat_template": self.chat_template,
         }
-        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
     # --- encode / decode ----------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ Every `services/<service>/__main__.py` is a factory and one call:
     def main(argv: list[str] | None = None) -> None:
         serve_main(RouterConfig, "router", build, argv)
 
-`serve_main` sets up logging, loads the config (flags > KVMESH_<SERVICE>_* > defaults) and logs
-it, creates the process's `Telemetry` (its metrics registry and tracer provider) from
+`serve_main` sets up logging, loads the config (flags > KVMESH_<SERVICE>_* > defaults; a bad one
+is its message on stderr and exit status 2, as argparse does, never a traceback) and logs it, creates the process's `Telemetry` (its metrics registry and tracer provider) from
 `cfg.server`, awaits the factory, serves what it built on an `RpcServer` with `cfg.server`'s
 settings until SIGTERM/SIGINT has drained it, then awaits `close` and flushes the spans.
 """
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import grpc
 
-from kvmesh.config import describe, load_config
+from kvmesh.config import ConfigError, command, describe, load_config
 from kvmesh.rpc.server import RpcServer, ServerSettings, run_service
 from kvmesh.telemetry import Telemetry
 
@@ -69,7 +70,11 @@ def serve_main(config: type[C], name: str, build: Callable[[C, Telemetry], Await
     `argv` defaults to sys.argv[1:]."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(config, name, argv)
+    try:
+        cfg = load_config(config, name, argv)
+    except ConfigError as e:  # a bad flag or variable: its message, as argparse prints, no traceback
+        print(f"{command(name)}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     log.info("config: %s", describe(cfg))
     asyncio.run(_serve(cfg, name, build))
 

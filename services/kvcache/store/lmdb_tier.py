@@ -95,6 +95,7 @@ class LmdbTier(Tier):
         self._clock = clock
         self._flush_every = access_flush_every
         self._lock = threading.Lock()
+        self._put_lock = threading.Lock()
         self.path.mkdir(parents=True, exist_ok=True)
         self._owner_fd = _lock_owner(self.path)
         try:
@@ -185,10 +186,14 @@ class LmdbTier(Tier):
         """Durably store ``blob`` (fsynced before returning), evicting LRU entries as needed."""
         check_put(self.name, key, blob, ttl_s, self.max_entry_bytes)
         cost = self.cost(len(blob))
-        with self._lock:
-            now = self._clock()
-            meta = _Meta(len(blob), now, math.inf if ttl_s is None else now + ttl_s, pinned)
-            self._make_room(cost, now, keep=key)
+        # One put at a time (_put_lock); the index lock (_lock) only around the index and the
+        # evictions, not across the blob's commit and fsync, so reads of other keys go on. Until
+        # the index has it, the new entry reads as absent (its put has not returned yet).
+        with self._put_lock:
+            with self._lock:
+                now = self._clock()
+                meta = _Meta(len(blob), now, math.inf if ttl_s is None else now + ttl_s, pinned)
+                self._make_room(cost, now, keep=key)
             while True:
                 try:
                     with self._env.begin(write=True) as txn:
@@ -197,16 +202,18 @@ class LmdbTier(Tier):
                     break
                 except lmdb.MapFullError:
                     self.map_full_events += 1
-                    if not self._evict_lru(max(cost, self._budget // 8), keep=key):
-                        raise StoreFull(f"{self.name}: LMDB map full, every other entry pinned") from None
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._bytes -= old.size
-                self._used -= self.cost(old.size)
-            self._dirty.discard(key)
-            self._index[key] = meta
-            self._bytes += meta.size
-            self._used += cost
+                    with self._lock:
+                        if not self._evict_lru(max(cost, self._budget // 8), keep=key):
+                            raise StoreFull(f"{self.name}: LMDB map full, every other entry pinned") from None
+            with self._lock:
+                old = self._index.pop(key, None)
+                if old is not None:
+                    self._bytes -= old.size
+                    self._used -= self.cost(old.size)
+                self._dirty.discard(key)
+                self._index[key] = meta
+                self._bytes += meta.size
+                self._used += cost
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` (one write transaction); False if absent."""
@@ -250,7 +257,7 @@ class LmdbTier(Tier):
 
     def close(self) -> None:
         """Flush buffered access times, close the environment and release the path. Idempotent."""
-        with self._lock:
+        with self._put_lock, self._lock:
             if self._closed:
                 return
             self._closed = True

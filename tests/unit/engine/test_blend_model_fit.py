@@ -104,6 +104,6 @@ def test_shadow_checks_past_the_window_measure_nothing(windowed):
 def test_the_served_name_derives_from_the_model(two_layers):
     assert EngineConfig().model_name == "smollm2-135m-instruct"
     assert EngineConfig(model="/models/qwen").model_name == "/models/qwen"
-    assert EngineConfig(model="/models/qwen", served_name="qwen").model_name == "qwen"
+    assert EngineConfig(model="/models/qwen", served_model_name="qwen").model_name == "qwen"
     info = model_info(make_core(two_layers, num_blocks=16), EngineConfig(model=two_layers.source))
     assert info.model == two_layers.source

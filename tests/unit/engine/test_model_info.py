@@ -13,7 +13,7 @@ from model_families import family_model, write_gguf
 def test_model_info_names_the_model_and_its_tokenizer(tmp_path):
     m = family_model(tmp_path / "qwen2", "qwen2")
     loaded = load_model(str(m.folder))
-    cfg = EngineConfig(model=str(m.folder), served_name="tiny")
+    cfg = EngineConfig(model=str(m.folder), served_model_name="tiny")
     info = model_info(make_core(loaded), cfg)
     assert (info.model, info.model_source) == ("tiny", str(m.folder))
     assert info.tokenizer_fingerprint == source_tokenizer(str(m.folder)).fingerprint()

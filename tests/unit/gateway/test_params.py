@@ -71,20 +71,20 @@ def test_completion_prompt_shapes():
     ({"stop": ["x" * 257]}, ("stop", "invalid_value")),
     ({"seed": -1}, ("seed", "invalid_value")),
     ({"max_tokens": 1, "max_completion_tokens": 1}, ("max_tokens", "invalid_value")),
-    ({"frequency_penalty": 1}, ("frequency_penalty", "unsupported_parameter")),
+    ({"frequency_penalty": 3}, ("frequency_penalty", "invalid_value")),
     ({"function_call": "auto"}, ("function_call", "unsupported_parameter")),
     ({"modalities": ["audio"]}, ("modalities", "unsupported_parameter")),
     ({"messages": []}, ("messages", "invalid_value")),
     ({"messages": [{"content": "x"}]}, ("messages[0].role", "missing_required_parameter")),
     ({"messages": [{"role": "assistant", "tool_calls": [{}]}]},
-     ("messages[0].tool_calls", "unsupported_parameter")),
+     ("messages[0].tool_calls[0]", "invalid_value")),
     ({"model": ""}, ("model", "missing_required_parameter")),
 ])
 def test_chat_errors_name_the_param(body, expected):
     assert _param(_chat, **body) == expected
 
 
-def test_zero_penalties_and_text_format_are_accepted():
+def test_zero_penalties_and_text_format_are_accepted():  # and non-zero ones: see test_sampling_extras
     validate_request(_chat(presence_penalty=0, frequency_penalty=0.0,
                            response_format={"type": "text"}, logit_bias={}), Limits())
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvmesh.kv.keys import KEY_BYTES, content_key, prefix_keys
+from kvmesh.kv.keys import KEY_BYTES, content_key, prefix_keys, tail_key
 from kvmesh.kv.namespace import KvLayout, KvNamespace
 
 LAYOUT = KvLayout(30, 3, 64, "float32")
@@ -36,6 +36,18 @@ def test_namespaces_separate_models_layouts_storage_and_tenants(other):
     assert other != NS
     assert set(prefix_keys(tokens, 32, other)).isdisjoint(prefix_keys(tokens, 32, NS))
     assert content_key(tokens[:32], other) != content_key(tokens[:32], NS)
+
+
+def test_a_tail_key_names_the_partial_chunk_after_its_prefix():
+    tokens = list(range(100))
+    tail = tail_key(tokens, 32, NS)
+    assert len(tail) == KEY_BYTES and tail not in prefix_keys(tokens, 32, NS)
+    assert tail_key(tokens[:96], 32, NS) is None                     # ends on a chunk boundary
+    assert tail_key(tokens[:99], 32, NS) != tail                       # another tail
+    assert tail_key([5] + tokens[1:], 32, NS) != tail                  # another prefix before it
+    assert tail_key(tokens, 32, KvNamespace("x", LAYOUT).digest()) != tail
+    assert tail_key(tokens[:10], 32, NS) is not None                   # no full chunk: chained to zeros
+    assert tail_key(list(range(96, 128)), 32, NS) != prefix_keys(list(range(96, 128)), 32, NS)[0]
 
 
 def test_content_key_is_position_free_and_differs_from_prefix_key():

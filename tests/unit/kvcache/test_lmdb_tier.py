@@ -220,3 +220,48 @@ def test_concurrent_readers_and_writers_on_a_tiny_map(tmp_path):
     s = tier.stats()
     assert s.entries > 0 and s.bytes <= s.capacity_bytes
     tier.close()
+
+
+def test_reads_go_on_while_a_put_commits(tmp_path):
+    """The index lock is not held across a put's write transaction (its commit and fsync): a
+    lookup or get of other keys meanwhile does not wait for it."""
+    import threading
+
+    tier = LmdbTier(tmp_path / "db", 64 * MiB, 4 * MiB)
+    tier.put(key(1), blob(1, 1000))
+    in_commit, release, seen = threading.Event(), threading.Event(), {}
+    env = tier._env
+
+    class SlowWriteEnv:  # the real environment, with a put's write transaction held open
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+        def begin(self, write=False, **kw):
+            txn = env.begin(write=write, **kw)
+            if not write:
+                return txn
+
+            class Held:
+                def __enter__(self):
+                    self.txn = txn.__enter__()
+                    return self.txn
+
+                def __exit__(self, *exc):
+                    in_commit.set()
+                    release.wait()
+                    return txn.__exit__(*exc)
+            return Held()
+
+    tier._env = SlowWriteEnv()
+    writer = threading.Thread(target=tier.put, args=(key(2), blob(2, 1000)))
+    writer.start()
+    in_commit.wait()
+    seen["locked"] = tier._lock.locked()
+    seen["contains"] = tier.contains_many([key(1), key(2)])
+    seen["get"] = tier.get_many([key(1)])[0] == blob(1, 1000)
+    release.set()
+    writer.join()
+    tier._env = env
+    assert seen == {"locked": False, "contains": [True, False], "get": True}
+    assert tier.contains_many([key(2)]) == [True]  # stored once its put returned
+    tier.close()

@@ -68,7 +68,7 @@ def test_an_itl_bound_looks_at_the_largest_gap():
 
 
 def test_workloads_are_seeded_and_shaped_as_their_names_say():
-    for name in ("random", "shared-prefix", "multiturn", "rag"):
+    for name in ("random", "shared-prefix", "multiturn", "rag", "mixed"):
         a, b = workloads.make(name, 24, seed=1, max_tokens=8), workloads.make(name, 24, seed=1, max_tokens=8)
         assert [r.messages for r in a] == [r.messages for r in b] and len(a) == 24
         assert [r.messages for r in a] != [r.messages for r in workloads.make(name, 24, seed=2, max_tokens=8)]
@@ -94,6 +94,11 @@ def test_workloads_are_seeded_and_shaped_as_their_names_say():
     assert inlined[-1]["content"] == "".join(f"{d}\n\n" for d in docs[0].documents) + docs[0].messages[-1]["content"]
     with pytest.raises(ValueError, match="unknown workload"):
         workloads.make("nope", 1, seed=0, max_tokens=1)
+    mixed = workloads.make("mixed", 24, seed=1, max_tokens=8)
+    assert [r.tags["class"] for r in mixed[:8]] == ["short"] * 7 + ["long"]
+    assert all(len(r.messages[0]["content"].split()) > 3000 for r in mixed if r.tags["class"] == "long")
+    assert all(len(r.messages[0]["content"].split()) <= 40 for r in mixed if r.tags["class"] == "short")
+    assert len({r.messages[0]["content"][:200] for r in mixed}) == 24  # no shared prefix
 
 
 def test_a_mooncake_trace_replays_its_times_lengths_and_shared_prefixes(tmp_path):
@@ -150,6 +155,14 @@ async def test_the_runner_times_each_stream_on_its_clock():
     assert [(r.prompt_tokens, r.output_tokens, r.cached_tokens) for r in records] == [(7, 4, 3)] * 3
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"]
                and b["max_tokens"] == 4 for b in script.bodies)
+
+
+async def test_records_carry_their_request_tags_so_a_class_can_be_summarized_alone():
+    records = await _run(Scripted(FakeClock(0.0), chunks=2), workloads.make("mixed", 16, seed=0, max_tokens=2),
+                         concurrency=1)
+    assert sorted(r.tags["class"] for r in records) == ["long"] * 2 + ["short"] * 14
+    short = summarize([r for r in records if r.tags["class"] == "short"])
+    assert short.requests == 14 and short.completed == 14
 
 
 async def test_shed_requests_are_counted_by_status_with_their_retry_after():

@@ -36,6 +36,15 @@ def test_env_and_openai_replicas():
     assert cfg.topology.default_model == "local"
 
 
+def test_pd_roles_mark_engine_replicas():
+    cfg = load(["--tiers", "m=127.0.0.1:1/prefill,127.0.0.1:2/decode,127.0.0.1:3@0.5", "--pd-min-prompt-tokens", "1024"])
+    (tier,) = cfg.topology.tiers
+    assert [(r.address, r.role) for r in tier.replicas] == [
+        ("127.0.0.1:1", "prefill"), ("127.0.0.1:2", "decode"), ("127.0.0.1:3", "both")]
+    assert tier.cost_per_token == 0.5 and tier.replicas[0].label == "127.0.0.1:1"
+    assert cfg.pd_min_prompt_tokens == 1024
+
+
 def test_default_model_without_cascades_is_the_first_tier():
     assert parse_topology("a=h:1;b=h:2", "", "").default_model == "a"
 
@@ -49,6 +58,8 @@ def test_default_model_without_cascades_is_the_first_tier():
     ("cheap=http://h:8000/v1", "", "needs its model name after '#'"),
     ("cheap=ftp://h/v1#m", "", "not an http(s) URL"),
     ("cheap=h:1,h:1", "", "lists a replica twice"),
+    ("cheap=h:1/prefill,h:1/decode", "", "lists a replica twice"),
+    ("cheap=h:1/prefil", "", "the role after '/' must be prefill or decode"),
     ("cheap=h:1;cheap=h:2", "", "defined twice"),
     ("bad name=h:1", "", "letters, digits"),
     ("cheap=h:1", "auto=cheap", "two or more tiers"),

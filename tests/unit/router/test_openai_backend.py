@@ -35,6 +35,23 @@ def test_completion_body_sends_only_what_is_set():
     assert (body["stop"], body["stop_token_ids"], body["ignore_eos"]) == (["\n"], [7], True)
 
 
+def test_completion_body_sends_the_extras_and_structured_output_as_vllm_fields():
+    body = completion_body(request(presence_penalty=0.5, repetition_penalty=1.5, min_p=0.25, min_tokens=2,
+                                   logit_bias={7: -100.0}, structured_output=engine_pb2.StructuredOutput(
+                                       json_schema='{"type": "object"}')), "m", "Hi")
+    assert (body["presence_penalty"], body["repetition_penalty"], body["min_p"], body["min_tokens"]) == \
+        (0.5, 1.5, 0.25, 2)
+    assert body["logit_bias"] == {"7": -100.0} and body["guided_json"] == {"type": "object"}
+    assert "frequency_penalty" not in body
+    for so, field, value in [(engine_pb2.StructuredOutput(regex="a+"), "guided_regex", "a+"),
+                             (engine_pb2.StructuredOutput(choice=engine_pb2.Choices(choices=["x"])),
+                              "guided_choice", ["x"]),
+                             (engine_pb2.StructuredOutput(grammar='start: "x"'), "guided_grammar", 'start: "x"'),
+                             (engine_pb2.StructuredOutput(json_object=engine_pb2.AnyJsonObject()),
+                              "response_format", {"type": "json_object"})]:
+        assert completion_body(request(structured_output=so), "m", "Hi")[field] == value
+
+
 async def test_stream_maps_text_logprobs_and_usage():
     async with serving_openai(FakeOpenAI()) as fake:
         msgs = await run(fake, request(logprobs=2))
