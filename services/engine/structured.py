@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from kvmesh.errors import InvalidArgument
@@ -82,6 +81,7 @@ class StructuredOutput:
         live = [(s.matcher, i) for i, s in enumerate(states) if s is not None and s.active]
         if not live:
             return None
+        llg_torch = _llg_torch()
         bitmask = llg_torch.allocate_token_bitmask(len(states), self.vocab_size)  # [R, W], all allowed
         llg_torch.fill_next_token_bitmask_par(self._executor, live, bitmask)
         return unpack_bitmask(bitmask, self.vocab_size)
@@ -90,6 +90,7 @@ class StructuredOutput:
         """allowed [k + 1, V]: row j the mask after drafts[:j] (see the NOTE); None if unconstrained."""
         if state is None or not state.active:
             return None
+        llg_torch = _llg_torch()
         bitmask = llg_torch.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
         consumed = 0
         for j in range(len(drafts) + 1):
@@ -99,3 +100,11 @@ class StructuredOutput:
             consumed += 1
         state.matcher.rollback(consumed)
         return unpack_bitmask(bitmask, self.vocab_size)
+
+
+def _llg_torch():
+    """llguidance's torch helpers, imported at the first constrained step: the import pulls in
+    torch._dynamo and triton (about 2 s), which an engine serving no grammar never needs."""
+    import llguidance.torch
+
+    return llguidance.torch

