@@ -86,7 +86,7 @@ class PlacementKnobs:
     """Longest wait for a stream's next message after its first; 0 = none."""
     migration_limit: int = 3
     """Times one request may move to another replica mid-stream; 0 = never."""
-    pd_min_prompt_tokens: int = 512
+    pd_min_prompt_tokens: int = 256
     """P/D tiers: prompts shorter than this are served colocated on a decode replica."""
 
 

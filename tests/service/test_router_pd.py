@@ -10,7 +10,7 @@ from kvmesh.engine.v1 import engine_pb2
 from kvmesh.telemetry import Telemetry
 from router_utils import Script, dead_address, fake_engines, route_request, router_config, serving_router, text_of
 
-LONG = list(range(1, 601))  # 600 tokens: past the default --pd-min-prompt-tokens (512)
+LONG = list(range(1, 601))  # 600 tokens: past the default --pd-min-prompt-tokens (256)
 SHORT = list(range(1, 101))
 
 
