@@ -14,29 +14,13 @@ import jsonschema_rs
 import openai
 import pytest
 
-from kvmesh import launcher
 from kvmesh.model.bundled import source_tokenizer
+from test_openai_stack import stack  # noqa: F401  (the same module-scoped stack fixture)
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 WORDS = ["red", "blue", "cat", "dog", "north", "south", "alpha", "beta"]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    data = tmp_path_factory.mktemp("stack")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVMESH_DATA_DIR", str(data))
-    ports = launcher.StackPorts(http=launcher.free_port(), gateway=launcher.free_port(),
-                                router=launcher.free_port(), engine=launcher.free_port(),
-                                kvcache=launcher.free_port(), draft=launcher.free_port())
-    procs = launcher.up(launcher.StackPlan(ports=ports, engine_args=("--kv-cache-bytes", str(64 << 20))))
-    try:
-        yield {p.name: p for p in procs}
-    finally:
-        launcher.down()
-        mp.undo()
 
 
 @pytest.fixture
