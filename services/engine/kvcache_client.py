@@ -21,7 +21,7 @@ from kvmesh.kv.namespace import KvNamespace
 from kvmesh.kv.namespace_proto import namespace_to_proto
 from kvmesh.kvcache.v1 import kvcache_pb2 as pb
 from kvmesh.kvcache.v1 import kvcache_pb2_grpc
-from kvmesh.rpc.client import make_channel, make_sync_channel
+from kvmesh.rpc.client import call_timeout, make_channel, make_sync_channel
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ class KvcacheClient:
     that serves (every call's deadline is `timeout_s`, capped by the serving call's).
 
     NOTE (back-off): a call the service does not answer (UNAVAILABLE, or late: a hung or
-    overloaded service) marks it down for `retry_s`. Meanwhile the request-path calls (lookup,
+    overloaded service) marks it down for `retry_s`. Late means late by the client's own
+    `timeout_s`: a call cut short because the request being served had less time left (its
+    deadline caps every outgoing call's) says nothing about the service, and marks nothing. Meanwhile the request-path calls (lookup,
     get, the catalog's) fail at once instead of each waiting out its deadline, so a hung KV
     service costs the requests already waiting on it at most `timeout_s` of TTFT and the next
     ones nothing: they compute their prompt. The first call after `retry_s` tries again."""
@@ -104,9 +106,19 @@ class KvcacheClient:
     def _catalog(self) -> kvcache_pb2_grpc.KvCatalogServiceStub:
         return kvcache_pb2_grpc.KvCatalogServiceStub(self._open())
 
-    def _unavailable(self, err: BaseException) -> Unavailable:
-        if isinstance(err, asyncio.TimeoutError) or (isinstance(err, grpc.RpcError) and hasattr(err, "code")
-                                                     and err.code() in _DOWN):
+    def _timeout(self) -> float:
+        """This call's deadline: `timeout_s`, capped by the request being served."""
+        return call_timeout(self.timeout_s)
+
+    def _unavailable(self, err: BaseException, timeout: float | None = None) -> Unavailable:
+        """The error to raise for a failed call whose deadline was `timeout` (None: the client's
+        own); marks the service down when it did not answer within the client's own deadline."""
+        late = isinstance(err, asyncio.TimeoutError) or (
+            isinstance(err, grpc.RpcError) and hasattr(err, "code")
+            and err.code() is grpc.StatusCode.DEADLINE_EXCEEDED)
+        down = isinstance(err, grpc.RpcError) and hasattr(err, "code") and err.code() in _DOWN
+        capped = timeout is not None and timeout < self.timeout_s
+        if (down or late) and not (late and capped):
             self._down_until, self._down_why = self._clock() + self.retry_s, describe(err)
         return Unavailable(f"KV-cache service {self.address}: {describe(err)}")
 
@@ -126,18 +138,20 @@ class KvcacheClient:
 
     async def lookup(self, keys: list[bytes], chunk_tokens: int = 0) -> Lookup:
         self._check_up()
+        timeout = self._timeout()
         try:
             found = await self._stub().Lookup(pb.LookupRequest(keys=keys, chunk_tokens=chunk_tokens),
-                                              timeout=self.timeout_s)
+                                              timeout=timeout)
         except (grpc.RpcError, asyncio.TimeoutError) as err:
-            raise self._unavailable(err) from err
+            raise self._unavailable(err, timeout) from err
         return Lookup([t != pb.TIER_UNSPECIFIED for t in found.tiers], found.prefix_chunks)
 
     async def get(self, keys: list[bytes]) -> AsyncIterator[bytes | None]:
         """Each key's blob in order, None where the service lacks it or it arrived damaged
         (length or checksum). Stops early when the consumer does (the stream is cancelled)."""
         self._check_up()
-        call = self._stub().Get(pb.GetRequest(keys=keys), timeout=self.timeout_s)
+        timeout = self._timeout()
+        call = self._stub().Get(pb.GetRequest(keys=keys), timeout=timeout)
         header, parts, got = None, [], 0
         try:
             async for msg in call:
@@ -156,7 +170,7 @@ class KvcacheClient:
                     yield blob if ok else None
                     header = None
         except (grpc.RpcError, asyncio.TimeoutError) as err:
-            raise self._unavailable(err) from err
+            raise self._unavailable(err, timeout) from err
         finally:
             call.cancel()  # a no-op when the stream ended
 
@@ -168,10 +182,11 @@ class KvcacheClient:
 
     async def get_document(self, namespace: KvNamespace, document_id: str) -> CatalogEntry:
         self._check_up()
+        timeout = self._timeout()
         try:
             resp = await self._catalog().GetDocument(
                 pb.GetDocumentRequest(namespace=namespace_to_proto(namespace), document_id=document_id),
-                timeout=self.timeout_s)
+                timeout=timeout)
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.NOT_FOUND:
                 raise NotFound(f"document {document_id!r} is not in the KV service's catalog for this tenant; "
@@ -181,12 +196,13 @@ class KvcacheClient:
 
     async def search_documents(self, namespace: KvNamespace, query: str, k: int) -> list[str]:
         self._check_up()
+        timeout = self._timeout()
         try:
             resp = await self._catalog().Search(pb.SearchRequest(text=query, namespace=namespace_to_proto(namespace),
                                                                  kind=pb.INDEX_KIND_DOCUMENT, k=k),
-                                                timeout=self.timeout_s)
+                                                timeout=timeout)
         except grpc.RpcError as err:
-            raise self._unavailable(err) from err
+            raise self._unavailable(err, timeout) from err
         return [h.document_id for h in resp.hits]
 
     async def put_document(self, doc: NewDocument) -> None:
