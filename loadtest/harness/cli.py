@@ -22,7 +22,7 @@ import httpx
 from kvmesh.loadtest.harness import systems, workloads
 from kvmesh.loadtest.harness.report import plot, rows, table
 from kvmesh.loadtest.harness.runner import Target, run_level, scrape_hits
-from kvmesh.loadtest.harness.stats import Slo, Summary, summarize
+from kvmesh.loadtest.harness.stats import Summary, parse_slos, summarize
 
 
 def add_parser(sub) -> None:
@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
     p.add_argument("--warmup", type=int, default=2,
                    help="requests sent one at a time to each target before its first level, not measured")
-    p.add_argument("--slo", help="goodput bounds, e.g. ttft=2s,tpot=100ms (also itl, e2el)")
+    p.add_argument("--slo", help="goodput bounds, e.g. ttft=2s,tpot=100ms (also itl, e2el); several SLOs "
+                   "separated by ';' score each level against each (the first is the table's and admission's)")
     p.add_argument("--documents", choices=("auto", "on", "off"), default="auto",
                    help="rag: send documents through kvmesh's `documents` extension (auto: when the target's "
                         "/openapi.json has it), else inline them")
@@ -100,7 +101,7 @@ def run_systems(args) -> list[tuple[dict, Summary]]:
         raise SystemExit(f"kvmesh loadtest: unknown system(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(systems.KNOWN)}")
     users = _levels(args.concurrency, int)
-    slo = Slo.parse(args.slo) if args.slo else None
+    slo = parse_slos(args.slo)[0] if args.slo else None
     levels: list[tuple[dict, Summary]] = []
     for name in names:
         with systems.serving(name, parallel=max(users or [16]),
@@ -118,7 +119,7 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
     rates, users = _levels(args.rate, float), _levels(args.concurrency, int)
     if args.workload != "trace" and not rates and not users:
         raise SystemExit("kvmesh loadtest: give --rate (open loop) or --concurrency (closed loop)")
-    slo = Slo.parse(args.slo) if args.slo else None
+    slo, *more = parse_slos(args.slo) if args.slo else [None]
     plan = [("rate", r) for r in rates] + [("concurrency", c) for c in users] or [("rate", None)]
     # level i's requests: the same for every target, new at each level (workloads' docstring)
     per_level = [workloads.make(args.workload, args.num_requests, seed=args.seed, max_tokens=args.max_tokens,
@@ -138,14 +139,15 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
                                       concurrency=value if kind == "concurrency" else None, arrival=args.arrival,
                                       seed=args.seed, duration_s=args.duration, timeout_s=args.timeout)
             params = {"system": name, "workload": args.workload, "sessions": args.sessions, kind: value}
-            summary = summarize(records, slo)
+            summary = summarize(records, slo, tuple(more))
             after = await scrape_hits(target.url)
             if before is not None and after is not None and after[1] > before[1]:
                 summary = dataclasses.replace(summary, metrics_hit_rate=(after[0] - before[0]) / (after[1] - before[1]))
             levels.append((params, summary))
             print(table([(params, summary)]).splitlines()[1], file=sys.stderr, flush=True)
             for cls in sorted({r.tags.get("class") for r in records} - {None}):  # e.g. mixed: short, long
-                part = ({**params, "class": cls}, summarize([r for r in records if r.tags.get("class") == cls], slo))
+                part = ({**params, "class": cls}, summarize([r for r in records if r.tags.get("class") == cls], slo,
+                                                                  tuple(more)))
                 levels.append(part)
                 print(table([part]).splitlines()[1], file=sys.stderr, flush=True)
     return levels
@@ -155,6 +157,8 @@ def run(args) -> int:
     try:  # a bad workload option fails here, before any system is started
         workloads.make(args.workload, 1, seed=args.seed, max_tokens=args.max_tokens, trace=args.trace,
                        sessions=args.sessions)
+        if args.slo:
+            parse_slos(args.slo)
     except (ValueError, OSError) as e:
         raise SystemExit(f"kvmesh loadtest: {e}") from None
     levels = run_systems(args) if args.compare else asyncio.run(_run(args))
@@ -165,6 +169,6 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"wrote {len(out)} rows to {args.json}", file=sys.stderr)
     if args.plot:
-        plot(levels, args.plot, args.slo)
+        plot(levels, args.plot, str(parse_slos(args.slo)[0]) if args.slo else None)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

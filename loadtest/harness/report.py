@@ -29,6 +29,8 @@ def rows(summary: Summary, **params) -> list[dict]:
         out.append({**params, "metric": "kv_hit_rate_metrics", "value": summary.metrics_hit_rate, "unit": "fraction"})
     if summary.goodput is not None:
         out.append({**params, "slo": summary.slo, "metric": "goodput", "value": summary.goodput, "unit": "req/s"})
+    for slo, value in summary.more_goodput:
+        out.append({**params, "slo": slo, "metric": "goodput", "value": value, "unit": "req/s"})
     for status, n in sorted(summary.errors.items()):
         out.append({**params, "status": status, "metric": "errors", "value": n, "unit": "requests"})
     if summary.errors:

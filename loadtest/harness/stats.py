@@ -138,6 +138,8 @@ class Summary:
     slo: str
     retry_after: int = 0
     """Failed requests whose response carried a Retry-After header (shed, told when to come back)."""
+    more_goodput: tuple[tuple[str, float], ...] = ()
+    """(SLO, requests/s meeting it) for each further SLO asked for (`--slo A;B`)."""
     metrics_hit_rate: Optional[float] = None
     """Prompt tokens served from the target's KV cache over prompt tokens, from its /metrics
     during the level (None when it exports no such counters)."""
@@ -160,7 +162,13 @@ class Summary:
         return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
-def summarize(records: list[Record], slo: Optional[Slo] = None) -> Summary:
+def parse_slos(text: str) -> list[Slo]:
+    """`A;B;...`: one SLO, or several to score each level against (goodput per SLO; the first
+    is the primary one, shown in the table)."""
+    return [Slo.parse(part) for part in text.split(";") if part.strip()]
+
+
+def summarize(records: list[Record], slo: Optional[Slo] = None, more: tuple[Slo, ...] = ()) -> Summary:
     done = [r for r in records if r.ok]
     starts = [r.sent for r in records]
     ends = [r.end for r in records if r.end is not None]
@@ -174,9 +182,10 @@ def summarize(records: list[Record], slo: Optional[Slo] = None) -> Summary:
     goodput = None
     if slo is not None and duration > 0:
         goodput = sum(slo.met(r) for r in done) / duration
+    more_goodput = tuple((str(o), sum(o.met(r) for r in done) / duration) for o in more) if duration > 0 else ()
     return Summary(requests=len(records), completed=len(done), duration_s=duration,
                    input_tokens=sum(r.prompt_tokens for r in done), output_tokens=sum(r.output_tokens for r in done),
                    cached_tokens=sum(r.cached_tokens for r in done),
                    errors=dict(Counter(r.status for r in records if not r.ok)), latency=latency,
-                   goodput=goodput, slo=str(slo) if slo is not None else "none",
+                   goodput=goodput, slo=str(slo) if slo is not None else "none", more_goodput=more_goodput,
                    retry_after=sum(1 for r in records if not r.ok and r.retry_after is not None))

@@ -13,7 +13,7 @@ import pytest
 from fake_clock import FakeClock
 from kvmesh.loadtest.harness import workloads
 from kvmesh.loadtest.harness.runner import Target, arrivals, body, run_level
-from kvmesh.loadtest.harness.stats import Record, Slo, percentile, summarize
+from kvmesh.loadtest.harness.stats import Record, Slo, parse_slos, percentile, summarize
 from kvmesh.loadtest.harness.report import rows as report_rows
 
 
@@ -60,6 +60,19 @@ def test_the_summary_follows_vllms_definitions():
     assert s.goodput == pytest.approx(1 / 4.0)  # only the first met ttft <= 1 s
     assert summarize(records).goodput is None
     assert math.isnan(percentile([], 50)) and percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+
+
+def test_several_slos_score_the_same_records_each():
+    records = [_record(0.0, [0.5, 0.6, 0.8], 1.0, 5),        # ttft 0.5, tpot 0.125
+               _record(1.0, [3.0, 3.5], 4.0, 3)]             # ttft 2.0, tpot 0.5
+    first, *more = parse_slos("ttft=3s;ttft=3s,tpot=200ms; ttft=1s")
+    s = summarize(records, first, tuple(more))
+    assert s.goodput == pytest.approx(2 / 4.0)
+    assert s.more_goodput == (("ttft=3s,tpot=200ms", pytest.approx(1 / 4.0)), ("ttft=1s", pytest.approx(1 / 4.0)))
+    goodput_rows = [(r["slo"], r["value"]) for r in report_rows(s, system="x") if r["metric"] == "goodput"]
+    assert goodput_rows == [("ttft=3s", 0.5), ("ttft=3s,tpot=200ms", 0.25), ("ttft=1s", 0.25)]
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_slos("ttft=3s;tpot")
 
 
 def test_an_itl_bound_looks_at_the_largest_gap():
