@@ -5,8 +5,8 @@ The fake router behaves like the real stack at the RouterService boundary: it st
 RouteResponses with engine GenerateResponse deltas (text already detokenized, stop strings cut
 with FINISH_REASON_STOP_STRING, max_tokens → LENGTH), logprobs and prompt_logprobs when asked,
 a final message with usage (cached_prompt_tokens = `cached_tokens`, then `final` merged in), and
-it records every call with its metadata. Knobs: `fail` (abort with a status code, after some tokens), `gate` (hold every
-generation until released) and `hang` (after the first delta, wait until cancelled). Every
+it records every call with its metadata. Knobs: `words` (what to generate), `fail` (abort with a status code, after some
+tokens), `gate` (hold every generation until released) and `hang` (after the first delta, wait until cancelled). Every
 cancellation observed sets the `cancelled` threading.Event, so tests can wait on it with a timeout.
 """
 from __future__ import annotations
@@ -73,6 +73,8 @@ class FakeRouterState:
                              kind=router_pb2.MODEL_KIND_TIER, tiers=[MODEL]),
         router_pb2.ModelCard(id="cascade", root="tiny-root", max_model_len=MAX_MODEL_LEN,
                              kind=router_pb2.MODEL_KIND_CASCADE, tiers=[MODEL, "big"])])
+    words: tuple[str, ...] = WORDS
+    """What every Generate produces, one token per word."""
     cached_tokens: int = 0
     final: engine_pb2.Final | None = None
     """Merged into every final message (e.g. a document prompt's blend counters and usage)."""
@@ -133,7 +135,7 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
             s.fail_times -= 1 if fail is not None else 0
         if fail is not None and fail[2] == 0:
             await context.abort(fail[0], fail[1])
-        words = list(WORDS)
+        words = list(s.words)
         if sp.HasField("seed"):
             words[0] = f" Seed{sp.seed}"
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 256

@@ -303,8 +303,10 @@ def stack_services(plan: StackPlan, data: Path) -> list[ServiceSpec]:
     specs = [ServiceSpec("kvcache", "kvmesh.services.kvcache",
                          ("--data-dir", str(data / "kvcache"), *plan.kvcache_args), ports.kvcache, one_thread)]
     # The draft service answers between the engine's steps (the engine waits for it): one thread.
-    specs.append(ServiceSpec("draft", "kvmesh.services.draft", ("--threads", "1", *draft_flags(plan),
-                                                                *plan.draft_args), ports.draft, one_thread))
+    # It drafts for the engines' model, and its metrics carry that model's name.
+    specs.append(ServiceSpec("draft", "kvmesh.services.draft",
+                             ("--threads", "1", *draft_flags(plan), "--served-model-name", plan.name,
+                              *plan.draft_args), ports.draft, one_thread))
     common = ("--model", plan.model, "--kvcache-address", kv, "--draft-address", f"127.0.0.1:{ports.draft}",
               "--threads", threads, "--served-model-name", plan.name)
     if plan.pd:

@@ -39,6 +39,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
                                CollectorRegistry)
 
+from kvmesh.metrics import ALL_MODELS, ModelRegistry
+
 log = logging.getLogger(__name__)
 
 Metadata = list[tuple[str, str]]
@@ -57,10 +59,11 @@ class Telemetry:
     tracer_provider: TracerProvider
 
     @classmethod
-    def create(cls, service_name: str, *, otlp_endpoint: str | None = None,
+    def create(cls, service_name: str, *, model_name: str = ALL_MODELS, otlp_endpoint: str | None = None,
                span_exporter: SpanExporter | None = None) -> Telemetry:
         """A fresh registry (with the process, platform and GC collectors prometheus_client's
-        default registry has) and a tracer provider for `service_name`.
+        default registry has) whose samples carry `model_name` unless they name their own
+        (kvmesh.metrics.ModelRegistry), and a tracer provider for `service_name`.
 
         Spans go to an OTLP gRPC collector when `otlp_endpoint` (or `OTEL_EXPORTER_OTLP_ENDPOINT`)
         is set — batched, off the request path — and synchronously to `span_exporter` when one
@@ -78,7 +81,7 @@ class Telemetry:
             log.info("exporting traces of %s to %s", service_name, endpoint)
         if span_exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(span_exporter))
-        registry = CollectorRegistry()
+        registry = ModelRegistry(model_name)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             registry.register(collector)  # read-only views of this process, safe to share
         return cls(registry, provider)

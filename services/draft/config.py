@@ -6,6 +6,7 @@ from typing import Optional
 
 from kvmesh.config import ConfigError, setting
 from kvmesh.limits import MAX_DRAFT_TOKENS
+from kvmesh.model.bundled import BUNDLED_NAME
 from kvmesh.rpc.server import ServerSettings
 
 MiB = 1 << 20
@@ -33,6 +34,11 @@ class DraftConfig:
         "", "Weights digest of the model the drafts are for (the engines' GetModelInfo "
             "weights_digest); requests naming another get FAILED_PRECONDITION. Empty = the draft "
             "model's digest, or the bundled model's when there is no draft model.")
+    served_model_name: str = setting(
+        "", "Name of the model the drafts are for, as the engines serve it (their --served-model-name): "
+            "the model_name label of this service's metrics. Empty = derived as the engine derives it: "
+            "smollm2-135m-instruct for the bundled model, else --draft-model as given when it drafts "
+            "for itself, else the --target-model digest. `kvmesh up` passes the engines' name.")
     default_drafter: str = setting("adaptive", "Drafter for requests that leave it unspecified.",
                                    choices=("ngram", "model", "adaptive"))
     max_draft_tokens: int = setting(MAX_DRAFT_TOKENS, "Largest max_draft_tokens a request may ask "
@@ -89,6 +95,15 @@ class DraftConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"--device {self.device!r} is not supported; use cpu, cuda or cuda:N "
                               "(KVMESH_DRAFT_DEVICE)")
+
+    @property
+    def metrics_model_name(self) -> str:
+        """Every draft metric's `model_name` label (see `served_model_name`)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.target_model:
+            return self.target_model
+        return BUNDLED_NAME if self.draft_model in (None, "bundled") else self.draft_model
 
     @property
     def draft_dtype(self) -> str:

@@ -101,6 +101,11 @@ class EngineConfig:
         return BUNDLED_NAME if self.model == "bundled" else self.model
 
     @property
+    def metrics_model_name(self) -> str:
+        """Every engine metric's `model_name` label: the served name (one engine, one model)."""
+        return self.model_name
+
+    @property
     def weight_format(self) -> str:
         """The resolved weight format. 'auto': a GGUF model (the bundled one, a .gguf file) served
         on CPU in float32 runs its own quantized blocks ('gguf': exact with respect to the file,

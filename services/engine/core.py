@@ -48,7 +48,7 @@ from kvmesh.services.engine.sequence import FinishReason, Sequence, SequenceStat
 from kvmesh.services.engine.shadow import ShadowChecker
 from kvmesh.services.engine.speculation import SpecMode, SpecUsage
 from kvmesh.services.engine.speculator import SpecConfig, Speculator
-from kvmesh.services.engine.stop import StopStringMatcher, check_stop
+from kvmesh.services.engine.stop import StopStringMatcher, check_stop, stop_strings_apply
 from kvmesh.services.engine.structured import GrammarState, StructuredOutput, check_grammar
 from kvmesh.services.engine.tracing import trace_guard_check
 
@@ -201,9 +201,10 @@ class EngineCore:
         for token in tokens:
             seq.append_token(token)
             reason, complete = self._check_stop(state, token)
-            _, hit = state.matcher.feed("" if reason == "stop" else state.detok.step([token]))
+            check = stop_strings_apply(seq)
+            _, hit = state.matcher.feed("" if reason == "stop" else state.detok.step([token]), check)
             if hit is None and (complete or reason is not None) and reason != "stop":
-                _, hit = state.matcher.feed(state.detok.flush())
+                _, hit = state.matcher.feed(state.detok.flush(), check)
             if hit is not None:
                 reason, stop_reason = FinishReason.STOP_STRING, hit
             elif complete:
@@ -408,15 +409,17 @@ class EngineCore:
             out.token_ids.append(token)
             out.logprobs += logprobs[i:i + 1]
             reason, complete = self._check_stop(state, token)
-            # Stop/eos tokens end the request but are not part of the text.
+            # Stop/eos tokens end the request but are not part of the text; stop strings count only
+            # past min_tokens (StopStringMatcher's NOTE), here as on the speculative path, token by token.
             text_piece = "" if reason == "stop" else state.detok.step([token])
-            emit, hit = state.matcher.feed(text_piece)
+            check = stop_strings_apply(seq)
+            emit, hit = state.matcher.feed(text_piece, check)
             out.text += emit
             if hit is not None:
                 return self._finish(state, out, FinishReason.STOP_STRING, hit)
             if reason is not None or complete:
                 tail = state.detok.flush() if reason != "stop" else ""
-                emit_tail, hit = state.matcher.feed(tail)
+                emit_tail, hit = state.matcher.feed(tail, check)
                 if hit is not None:
                     out.text += emit_tail
                     return self._finish(state, out, FinishReason.STOP_STRING, hit)

@@ -59,7 +59,8 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens less likely than min_p times the most likely one, in [0, 1]; 0 disables."""
     min_tokens: int = 0
-    """End-of-sequence and stop_token_ids are masked until this many tokens are generated."""
+    """No stop condition before this many tokens are generated: end-of-sequence and stop_token_ids
+    are masked (logits.py), and a stop string counts only when it ends later (stop.py's NOTE)."""
     constraint: Constraint | None = None
     """Structured output: the language the output must belong to (None: free text)."""
 

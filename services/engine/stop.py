@@ -21,6 +21,12 @@ def check_stop(seq: Sequence, new_token: int, eos_token_ids: Collection[int]) ->
     return None
 
 
+def stop_strings_apply(seq: Sequence) -> bool:
+    """Whether a stop string may end in the text of `seq`'s newest output token: only once more
+    than min_tokens tokens were generated (StopStringMatcher's NOTE)."""
+    return seq.num_output_tokens > seq.params.min_tokens
+
+
 class StopUpdate(NamedTuple):
     """What one delta of output text produced."""
 
@@ -43,6 +49,14 @@ class StopStringMatcher:
     NOTE: state is the whole output text and how much of it was emitted. Each feed searches only
     windows that end inside the new delta, so a stop string is found exactly once, when its last
     character arrives, wherever the deltas split it.
+
+    NOTE (min_tokens, vLLM's rule). Until min_tokens tokens were generated no stop condition
+    applies, stop strings included: their text is fed with `check=False`, emitted normally and
+    never searched, so a stop string that ends inside it never counts, not even later. One that
+    starts there and ends in a later token's text does stop, cut at its start (possible text is
+    held back as always, so nothing past the cut was emitted). This is what vLLM's detokenizer
+    does (its stop-check offset moves past the first min_tokens tokens' text, and stop strings
+    are searched in windows that end after that offset).
     """
 
     def __init__(self, stop: Iterable[str]) -> None:
@@ -64,13 +78,14 @@ class StopStringMatcher:
         """Received text not yet emitted (a possible stop-string beginning)."""
         return self._text[self._emitted :]
 
-    def feed(self, delta: str) -> StopUpdate:
-        """Append a delta of output text; return the newly emittable text and any match."""
+    def feed(self, delta: str, check: bool = True) -> StopUpdate:
+        """Append a delta of output text; return the newly emittable text and any match. With
+        `check` False no stop string may end in this delta (min_tokens: see the NOTE)."""
         if self.matched is not None or not delta:
             return StopUpdate("", None)
         old_len = len(self._text)
         self._text += delta
-        match = self._find(old_len)
+        match = self._find(old_len) if check else None
         if match is not None:
             start, stop = match
             self.matched = stop

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.metrics import ALL_MODELS
 from kvmesh.rpc.server import ServerSettings
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -55,6 +56,12 @@ class GatewayConfig:
         if self.http_host == rpc.host and self.http_port == rpc.port and rpc.port != 0:
             raise ConfigError(f"--http-port and --port are both {rpc.port}; give the HTTP and gRPC "
                               "servers different ports")
+
+    @property
+    def metrics_model_name(self) -> str:
+        """ALL_MODELS on the process-wide series (in-flight gauges, RPC metrics): the gateway
+        serves whatever the router lists. Per-request series carry the request's model."""
+        return ALL_MODELS
 
     @property
     def open_to_network_without_keys(self) -> bool:

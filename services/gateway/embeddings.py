@@ -11,7 +11,8 @@ Body: `{"model", "input": str | [str, ...], "encoding_format": "float" | "base64
 the model reads is a 400 that says so. `dimensions` other than the model's own width is a 400
 (all-MiniLM-L6-v2 is not a Matryoshka model: cutting its vectors would degrade them). Token-id
 input is refused: ids of the generation model mean nothing to the embedding model. base64 is
-the little-endian float32 bytes of each vector, as OpenAI's SDKs decode it.
+the little-endian float32 bytes of each vector, as OpenAI's SDKs decode it. The gRPC API's Embed
+answers through the same `Embeddings.embed`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +57,28 @@ class EmbeddingModel:
     dimensions: int
     max_tokens: int
     created: int
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """A request's embeddings, as both front ends answer them."""
+
+    id: str
+    created: int
+    model: str
+    vectors: list[Sequence[float]]
+    """One per input text, in order."""
+    tokens: int
+    """The embedding model's tokens over all texts."""
+
+
+def require(embeddings: Embeddings | None) -> Embeddings:
+    """`embeddings`, or the 404 of a gateway that serves no embedding model."""
+    if embeddings is None:
+        raise ApiError(grpc.StatusCode.NOT_FOUND, "this gateway serves no embedding model; start "
+                       "it with --kvcache-address (the KV service computes embeddings), as "
+                       "`kvmesh up` does", param="model", error_code="model_not_found")
+    return embeddings
 
 
 class Embeddings:
@@ -94,17 +118,28 @@ class Embeddings:
     async def create(self, raw: bytes) -> dict[str, Any]:
         """The body of POST /v1/embeddings' answer (raises ApiError)."""
         body = decode_body(raw, EmbeddingsBody)
+        out = await self.embed(body.model, body.input, body.dimensions)
+        data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                for i, v in enumerate(out.vectors)]
+        return {"id": out.id, "object": "list", "created": out.created, "model": out.model, "data": data,
+                "usage": {"prompt_tokens": out.tokens, "total_tokens": out.tokens}}
+
+    async def embed(self, model_name: str, texts_input: str | list[str] | list[int] | list[list[int]],
+                    dimensions: int | None) -> Embedded:
+        """Embeddings of the input texts by the model named `model_name` (raises ApiError: 404
+        for another model, 400 for input the model cannot take, 503 while the KV service is
+        unreachable)."""
         model = await self.model()
-        if body.model != model.name:
+        if model_name != model.name:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
-                           f"The model `{body.model}` does not exist or is not an embedding model; "
+                           f"The model `{model_name}` does not exist or is not an embedding model; "
                            f"/v1/embeddings serves `{model.name}`", param="model",
                            error_code="model_not_found")
-        if body.dimensions is not None and body.dimensions != model.dimensions:
+        if dimensions is not None and dimensions != model.dimensions:
             raise invalid(f"{model.name} makes {model.dimensions}-dimensional embeddings and cannot "
                           "shorten them (it is not a Matryoshka model); leave dimensions unset",
                           "dimensions", "unsupported_value")
-        texts = _texts(body.input)
+        texts = _texts(texts_input)
         try:
             answer = await self._stub.Embed(kvcache_pb2.EmbedRequest(texts=texts), timeout=self._timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -112,12 +147,8 @@ class Embeddings:
                 message = re.sub(r"^Embed: text (\d+)", r"input[\1]", e.details() or "")
                 raise invalid(message, "input", "invalid_value") from e
             raise self._unavailable(e) from e
-        data = [{"object": "embedding", "index": i, "embedding": _encode(e.values, body.encoding_format)}
-                for i, e in enumerate(answer.embeddings)]
-        tokens = sum(answer.token_counts)
-        return {"id": f"embd-{uuid.uuid4().hex[:24]}", "object": "list", "created": int(time.time()),
-                "model": model.name, "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return Embedded(f"embd-{uuid.uuid4().hex[:24]}", int(time.time()), model.name,
+                        [e.values for e in answer.embeddings], sum(answer.token_counts))
 
     def _unavailable(self, e: grpc.aio.AioRpcError) -> ApiError:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -29,7 +29,7 @@ from kvmesh import __version__
 from kvmesh.errors import KvmeshError
 from kvmesh.services.gateway import tokenization
 from kvmesh.services.gateway.auth import bearer_token
-from kvmesh.services.gateway.embeddings import EmbeddingModel, Embeddings
+from kvmesh.services.gateway.embeddings import EmbeddingModel, Embeddings, require
 from kvmesh.services.gateway.errors import ApiError, error_type, to_api_error
 from kvmesh.services.gateway.openai_format import DONE, Formatter, sse
 from kvmesh.services.gateway.openai_schema import (
@@ -159,11 +159,7 @@ def create_app(gateway: Gateway, telemetry: Telemetry, *, serve_metrics: bool = 
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> dict[str, Any]:
         authenticate(request)
-        if embeddings is None:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, "this gateway serves no embedding model; start "
-                           "it with --kvcache-address (the KV service computes embeddings), as "
-                           "`kvmesh up` does", param="model", error_code="model_not_found")
-        return await embeddings.create(await request.body())
+        return await require(embeddings).create(await request.body())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -209,10 +205,10 @@ async def _generate(gateway: Gateway, request: Request, kind: Literal["completio
     """Authenticate, parse, start, then stream or collect; every outcome is recorded once."""
     arrival = time.perf_counter()
     retry_after = gateway.options.retry_after_s
-    tenant_name = "unauthenticated"
+    tenant_name, model = "unauthenticated", ""
 
     def record(status: int) -> None:
-        gateway.record(request.url.path, status, tenant_name, arrival)
+        gateway.record(request.url.path, status, tenant_name, arrival, model)
 
     try:
         tenant = gateway.authenticate(bearer_token(request.headers.get("authorization")))
@@ -220,6 +216,7 @@ async def _generate(gateway: Gateway, request: Request, kind: Literal["completio
         trace.get_current_span().set_attribute("kvmesh.tenant", tenant.name)
         body = parse_body(await request.body(), kind)
         req = chat_request(body) if kind == "chat" else completion_request(body)  # type: ignore[arg-type]
+        model = req.model
         stream = bool(body.stream)
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
         generation = await gateway.start(req, tenant, endpoint=request.url.path, arrival=arrival)

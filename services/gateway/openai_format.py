@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.services.gateway.spec import ChoiceDelta, Kind, TokenLogprob, Usage
-from kvmesh.services.gateway.structured import ToolCallOutput, parse_tool_calls
+from kvmesh.services.gateway.structured import ToolCallOutput, tool_call_result
 
 DONE = b"data: [DONE]\n\n"
 
@@ -181,11 +181,7 @@ class Formatter:
     def _tool_message(self, state: _Choice, finish_reason: str | None
                       ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
         """(content, tool_calls, finish_reason) of a finished tool-call choice."""
-        text = "".join(state.text)
-        calls = parse_tool_calls(text, self.tool_calls) if finish_reason == "stop" else None
-        if calls is None:
-            return text, None, finish_reason
-        return None, calls, "tool_calls"
+        return tool_call_result("".join(state.text), finish_reason, self.tool_calls)
 
     def _chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head(obj), "choices": [choice]}

@@ -361,7 +361,7 @@ def completion_request(body: CompletionBody) -> GenerationRequest:
                            structured=_structured(body)))
 
 
-def _tool_call(i: int, j: int, call: Any) -> dict[str, Any]:
+def replayed_tool_call(i: int, j: int, call: Any) -> dict[str, Any]:
     """messages[i].tool_calls[j] as chat templates take it (the arguments as an object, when
     they are a JSON object: Hugging Face's convention, which vLLM follows)."""
     param = f"messages[{i}].tool_calls[{j}]"
@@ -382,7 +382,7 @@ def _tool_call(i: int, j: int, call: Any) -> dict[str, Any]:
 
 def _turn(i: int, m: ChatMessage) -> ChatTurn:
     return ChatTurn(m.role, _message_text(i, m), m.name,
-                    tuple(_tool_call(i, j, c) for j, c in enumerate(m.tool_calls or ())),
+                    tuple(replayed_tool_call(i, j, c) for j, c in enumerate(m.tool_calls or ())),
                     m.tool_call_id)
 
 

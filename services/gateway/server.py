@@ -100,7 +100,7 @@ class GatewayServer:
         self.telemetry = telemetry
         self.embeddings = embeddings.connect(cfg.kvcache_address, cfg.request_timeout_s, cfg.retry_after_s)
         self.app = create_app(gateway, telemetry, serve_metrics=cfg.metrics, embeddings=self.embeddings)
-        servicer = GatewayServicer(gateway)
+        servicer = GatewayServicer(gateway, self.embeddings)
         self.service = Service(
             lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
             (SERVICE,), on_drain=gateway.drain)

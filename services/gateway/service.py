@@ -30,6 +30,7 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.engine.v1 import engine_pb2
 from kvmesh.errors import Unauthenticated
 from kvmesh.grammar import ConstraintKind
+from kvmesh.metrics import ALL_MODELS
 from kvmesh.router.v1 import router_pb2
 from kvmesh.services.gateway.metrics import GatewayMetrics
 from kvmesh.services.gateway.admission import Admission, Rejection, Ticket
@@ -139,13 +140,13 @@ class Generation:
                         first_token = False
                         if self._slo_handle is not None:
                             self._gateway.slo.first_token(self._slo_handle)
-                        self._gateway.metrics.ttft_seconds.labels(self._endpoint).observe(
+                        self._gateway.metrics.ttft_seconds.labels(self.model.id, self._endpoint).observe(
                             time.perf_counter() - self._arrival)
                     yield item
             for kind, value in (("prompt", self.usage.prompt_tokens),
                                 ("completion", self.usage.completion_tokens),
                                 ("cached", self.usage.cached_tokens)):
-                self._gateway.metrics.tokens.labels(kind).inc(value)
+                self._gateway.metrics.tokens.labels(self.model.id, kind).inc(value)
             reasons = genai.finish_reasons(finished, len(self._jobs))
             span = trace.get_current_span()
             span.set_attributes(genai.response_attributes(self.id, self.model.id, self.usage, reasons))
@@ -155,7 +156,7 @@ class Generation:
                     ["".join(texts.get(i, ())) for i in range(len(self._jobs))], reasons))
         except grpc.aio.AioRpcError as e:
             if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._gateway.metrics.rejected.labels("upstream_exhausted").inc()
+                self._gateway.metrics.rejected.labels(self.model.id, "upstream_exhausted").inc()
             raise to_api_error(e, retry_after=self._gateway.options.retry_after_s) from e
         finally:
             self._release()
@@ -193,7 +194,7 @@ class Gateway:
         try:
             return self.keys.authenticate(key)
         except Unauthenticated:
-            self.metrics.rejected.labels("unauthenticated").inc()
+            self.metrics.rejected.labels(ALL_MODELS, "unauthenticated").inc()
             raise
 
     @property
@@ -229,10 +230,13 @@ class Gateway:
             return e.message
         return None
 
-    def record(self, endpoint: str, status: int, tenant: str, arrival: float) -> None:
-        """Count one finished request (called once per request by the front end)."""
-        self.metrics.requests.labels(endpoint, str(status), tenant).inc()
-        self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - arrival)
+    def record(self, endpoint: str, status: int, tenant: str, arrival: float, model: str = "") -> None:
+        """Count one finished request (called once per request by the front end). `model` is
+        the one the request named ("" before it was parsed): its label when the catalog lists it,
+        else ALL_MODELS, so a client's typo never becomes a series."""
+        label = model if self.catalog.lists(model) else ALL_MODELS
+        self.metrics.requests.labels(label, endpoint, str(status), tenant).inc()
+        self.metrics.request_seconds.labels(label, endpoint).observe(time.perf_counter() - arrival)
 
     async def start(self, req: GenerationRequest, tenant: Tenant, *, endpoint: str,
                     arrival: float) -> Generation:
@@ -249,8 +253,8 @@ class Gateway:
             prompts = [await self.prompts.completion(p, i) for i, p in enumerate(req.prompts)]
         max_tokens = [self._max_tokens(req, model, p) for p in prompts]
         prompt_tokens = sum(p.known_tokens for p in prompts) * req.n
-        self._check_slo(prompt_tokens)
-        ticket = self._admit(tenant, len(prompts) * req.n, prompt_tokens)
+        self._check_slo(model.id, prompt_tokens)
+        ticket = self._admit(model.id, tenant, len(prompts) * req.n, prompt_tokens)
         slo_handle = self.slo.admit(prompt_tokens) if self.slo is not None else None
         generation_id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         jobs = [self._job(req, tenant, prompt, index=p_index * req.n + j, prompt_index=p_index,
@@ -261,14 +265,14 @@ class Gateway:
                           prompts=prompts, jobs=jobs, ticket=ticket, endpoint=endpoint,
                           arrival=arrival, slo_handle=slo_handle)
 
-    def _check_slo(self, prompt_tokens: int) -> None:
+    def _check_slo(self, model: str, prompt_tokens: int) -> None:
         """503 + Retry-After when the predicted TTFT breaks --slo-ttft-s (slo.py's NOTE)."""
         if self.slo is None:
             return
         predicted = self.slo.refuses(prompt_tokens)
         if predicted is None:
             return
-        self.metrics.rejected.labels("slo_ttft").inc()
+        self.metrics.rejected.labels(model, "slo_ttft").inc()
         retry = self.slo.retry_after_s(predicted)
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"the predicted time to first token ({predicted:.1f}s: {self.slo.waiting_tokens} prompt "
@@ -299,12 +303,12 @@ class Gateway:
                           "completion.", where, "context_length_exceeded")
         return asked
 
-    def _admit(self, tenant: Tenant, requests: int, prompt_tokens: int) -> Ticket:
+    def _admit(self, model: str, tenant: Tenant, requests: int, prompt_tokens: int) -> Ticket:
         outcome = self.admission.try_admit(tenant.name, requests, prompt_tokens,
                                            tenant.max_inflight_requests)
         if isinstance(outcome, Ticket):
             return outcome
-        self.metrics.rejected.labels(outcome.value).inc()
+        self.metrics.rejected.labels(model, outcome.value).inc()
         retry = self.options.retry_after_s
         a = self.admission
         if outcome is Rejection.DRAINING:

@@ -59,6 +59,14 @@ def _compiled(c: Constraint, param: str) -> Constraint:
     return c
 
 
+def json_value(text: str, param: str) -> Any:
+    """A parameter that holds JSON as text, decoded (a 400 naming it when it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise invalid(f"{param} is not valid JSON ({e})", param) from None
+
+
 def _schema_text(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise invalid(f"'{param}' must be a JSON Schema object, got {type(schema).__name__}", param)
@@ -94,10 +102,7 @@ def guided_constraints(guided_json: Any, guided_regex: str | None, guided_choice
     out = []
     if guided_json is not None:
         if isinstance(guided_json, str):
-            try:
-                guided_json = json.loads(guided_json)
-            except ValueError as e:
-                raise invalid(f"guided_json is not valid JSON ({e})", "guided_json") from None
+            guided_json = json_value(guided_json, "guided_json")
         out.append((Constraint(ConstraintKind.JSON_SCHEMA, _schema_text(guided_json, "guided_json")),
                     "guided_json"))
     if guided_regex is not None:
@@ -186,6 +191,17 @@ def structured_request(*, response_format: dict[str, Any] | None = None, guided_
         return StructuredRequest()
     constraint, param = asked[0]
     return StructuredRequest(_compiled(constraint, param), calls)
+
+
+def tool_call_result(text: str, finish_reason: str | None, out: ToolCallOutput
+                     ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+    """(content, tool_calls, finish_reason) of a finished tool-call choice whose whole output is
+    `text`: its calls with "tool_calls" when it ended on its own and parses, else the text with
+    its own finish_reason (an output cut by max_tokens)."""
+    calls = parse_tool_calls(text, out) if finish_reason == "stop" else None
+    if calls is None:
+        return text, None, finish_reason
+    return None, calls, "tool_calls"
 
 
 def parse_tool_calls(text: str, out: ToolCallOutput) -> list[dict[str, Any]] | None:

@@ -90,6 +90,10 @@ class ModelCatalog:
             await self._fetch()
         return list(self._models.values())
 
+    def lists(self, model_id: str) -> bool:
+        """Whether the cached list holds `model_id` (no look-up)."""
+        return model_id in self._models
+
     async def get(self, model_id: str) -> ModelEntry:
         """The named model; a 404 ApiError (model_not_found) when the router does not list it."""
         await self.models()

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.metrics import ALL_MODELS
 from kvmesh.rpc.server import ServerSettings
 
 MiB = 1 << 20
@@ -46,3 +47,9 @@ class KvcacheConfig:
     @property
     def lmdb_path(self) -> Path:
         return self.data_dir if self.data_dir is not None else default_data_dir()
+
+    @property
+    def metrics_model_name(self) -> str:
+        """ALL_MODELS: the store is shared by every model (its keys' namespaces hold weights
+        digests, not served names)."""
+        return ALL_MODELS

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.config import ConfigError, setting
+from kvmesh.metrics import ALL_MODELS
 from kvmesh.rpc.server import ServerSettings
 from kvmesh.services.router.topology import CASCADES_HELP, TIERS_HELP, Topology, parse_topology
 
@@ -89,3 +90,10 @@ class RouterConfig:
     def topology(self) -> Topology:
         """The tiers, cascades and default model parsed from the specs."""
         return parse_topology(self.tiers, self.cascades, self.default_model)
+
+    @property
+    def metrics_model_name(self) -> str:
+        """The one model this router serves (a single tier and no cascade: the tier's name, as
+        /v1/models lists it), else ALL_MODELS: the label of its series that belong to no tier."""
+        names = self.topology.model_names
+        return names[0] if len(names) == 1 else ALL_MODELS

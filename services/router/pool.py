@@ -140,6 +140,8 @@ class TierPool:
     def __init__(self, tier: Tier, backends: Sequence[Backend], knobs: PlacementKnobs,
                  state: TierState, metrics: RouterMetrics) -> None:
         self.tier = tier
+        self.model = tier.name
+        """The `model_name` of this pool's series: a tier's model is listed under the tier's name."""
         self.metrics = metrics
         self.knobs = knobs
         self.backends: Mapping[str, Backend] = {b.replica.label: b for b in backends}
@@ -148,7 +150,7 @@ class TierPool:
 
     def _mark_down(self, replica: str, why: str) -> None:
         self.state.mark_down(replica, why)
-        self.metrics.replica_down.labels(self.tier.name, replica).inc()
+        self.metrics.replica_down.labels(self.model, self.tier.name, replica).inc()
 
     def _healthy(self, only: Collection[str] | None = None) -> list[str]:
         healthy = [r for r in self.state.healthy() if only is None or r in only]
@@ -165,7 +167,7 @@ class TierPool:
         try:
             return await backend.probe(ids, salt, self.knobs.probe_timeout_s)
         except BackendError as e:
-            self.metrics.probe_failures.labels(self.tier.name, replica, e.code.name).inc()
+            self.metrics.probe_failures.labels(self.model, self.tier.name, replica, e.code.name).inc()
             if e.replica_down:
                 self._mark_down(replica, f"probe: {e.message}")
             return None
@@ -181,7 +183,7 @@ class TierPool:
             started = time.perf_counter()
             answers = await asyncio.gather(*(self._probe(r, ids, request.cache_salt)
                                              for r in healthy))
-            self.metrics.probe_seconds.labels(self.tier.name).observe(time.perf_counter() - started)
+            self.metrics.probe_seconds.labels(self.model, self.tier.name).observe(time.perf_counter() - started)
             probes = dict(zip(healthy, answers))
             healthy = self._healthy(only)
         candidates = [Candidate(r, self.state.in_flight[r], probes.get(r)) for r in healthy]
@@ -224,7 +226,7 @@ class TierPool:
             except BaseException as e:  # the caller's cancellation
                 await self._end(started, _status_of(e))
                 raise
-            self.metrics.placement_cached_tokens.labels(self.tier.name).observe(ranked.cached_tokens)
+            self.metrics.placement_cached_tokens.labels(self.model, self.tier.name).observe(ranked.cached_tokens)
             return started
         raise _exhausted(self.tier.name, failures)
 
@@ -232,7 +234,7 @@ class TierPool:
         """Close an attempt's stream (cancelling its engine call) and count it."""
         await attempt.stream.aclose()
         self.state.end(attempt.replica)
-        self.metrics.requests.labels(self.tier.name, attempt.replica, attempt.policy, code.name).inc()
+        self.metrics.requests.labels(self.model, self.tier.name, attempt.replica, attempt.policy, code.name).inc()
 
     @contextlib.asynccontextmanager
     async def open(self, request: engine_pb2.GenerateRequest, prompt_text: str = "",
@@ -308,7 +310,7 @@ class TierPool:
                 if info is not None and info.max_model_len and n + max_tokens > info.max_model_len:
                     reason = "too_long"
         if reason:
-            self.metrics.pd_routes.labels(self.tier.name, "colocated", reason).inc()
+            self.metrics.pd_routes.labels(self.model, self.tier.name, "colocated", reason).inc()
             return None
         return prefill, decode
 
@@ -331,10 +333,10 @@ class TierPool:
         except BackendError as e:
             if not e.try_elsewhere:
                 raise
-            self.metrics.pd_routes.labels(self.tier.name, "colocated", "prefill_failed").inc()
+            self.metrics.pd_routes.labels(self.model, self.tier.name, "colocated", "prefill_failed").inc()
             return None
         attempts.append(first)
-        self.metrics.pd_routes.labels(self.tier.name, "pd", "").inc()
+        self.metrics.pd_routes.labels(self.model, self.tier.name, "pd", "").inc()
         span = trace.get_current_span()
         span.set_attributes({"kvmesh.pd.prefill_replica": first.replica,
                              "kvmesh.pd.decode_choice": to_decode.ranked[0].replica})
@@ -427,7 +429,7 @@ class TierPool:
                 await self._end(current, e.code)
                 self._mark_down(current.replica, e.message)
                 if len(attempts) - start > self.knobs.migration_limit:
-                    self.metrics.migrations.labels(self.tier.name, "limit").inc()
+                    self.metrics.migrations.labels(self.model, self.tier.name, "limit").inc()
                     raise BackendError(e.replica, e.code, f"{e.message} (after {len(attempts) - start - 1} "
                                                           "migrations of this request: --migration-limit)") from None
                 try:
@@ -435,11 +437,11 @@ class TierPool:
                                                       exclude={a.replica for a in attempts[start:]}, migration=True,
                                                       only=self._colocated()))
                 except (BackendError, KvmeshError) as failed:
-                    self.metrics.migrations.labels(self.tier.name, "failed").inc()
+                    self.metrics.migrations.labels(self.model, self.tier.name, "failed").inc()
                     why = failed.message if isinstance(failed, BackendError) else str(failed)
                     raise BackendError(e.replica, e.code, f"{e.message}; migrating the request failed: "
                                                           f"{why}") from None
-                self.metrics.migrations.labels(self.tier.name, "migrated").inc()
+                self.metrics.migrations.labels(self.model, self.tier.name, "migrated").inc()
                 new = attempts[-1]
                 log.warning("request %s: %s failed after %d tokens (%s); continued on %s", request.request_id,
                             e.replica, len(streamed), e.message, new.replica)

@@ -172,8 +172,9 @@ class Router:
         self._account(opened.tier, _completion_tokens(live))
 
     def _account(self, tier: str, tokens: int) -> None:
-        self.metrics.generated_tokens.labels(tier).inc(tokens)
-        self.metrics.cost.labels(tier).inc(tokens * self.pools[tier].tier.cost_per_token)
+        pool = self.pools[tier]
+        self.metrics.generated_tokens.labels(pool.model, tier).inc(tokens)
+        self.metrics.cost.labels(pool.model, tier).inc(tokens * pool.tier.cost_per_token)
 
     async def _tier(self, tier: str, request: engine_pb2.GenerateRequest,
                     prompt_text: str) -> AsyncIterator[router_pb2.RouteResponse]:
@@ -234,7 +235,7 @@ class Router:
         """Count the route's decisions and put them on the current span."""
         span = trace.get_current_span()
         for s in steps:
-            self.metrics.cascade_decisions.labels(route.name, s.tier, s.reason).inc()
+            self.metrics.cascade_decisions.labels(route.name, route.name, s.tier, s.reason).inc()  # model: the route
             span.add_event("kvmesh.cascade.step", {
                 "kvmesh.cascade.tier": s.tier, "kvmesh.cascade.signal": s.signal,
                 "kvmesh.cascade.confidence": s.confidence,

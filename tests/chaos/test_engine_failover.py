@@ -139,5 +139,5 @@ async def test_a_replica_failing_under_16_streams_fails_no_request(stack, prompt
     print(f"{fault}: longest pause in a migrated stream min/median/max {moved[0]:.2f}/{statistics.median(moved):.2f}/"
           f"{moved[-1]:.2f} s (undisturbed streams: {calm[0]:.2f}/{statistics.median(calm):.2f}/{calm[-1]:.2f} s)")
     migrated = telemetry.registry.get_sample_value("kvmesh_router_migrations_total",
-                                                   {"tier": "t", "outcome": "migrated"})
+                                                   {"model_name": "t", "tier": "t", "outcome": "migrated"})
     assert migrated == sum(r["replica"] == victim for r in results) == STREAMS // 2

@@ -137,8 +137,8 @@ async def test_a_full_lmdb_map_under_load_fails_no_request(tmp_path, monkeypatch
         check("map full, second pass", await run_all(engine.address, long_prompts), reference)
         assert launcher.health(kv.address) == "SERVING"
         metrics = _scrape(metrics_port)
-        evictions = metrics["kvmesh_kvcache_tier_evictions_total[('tier', 'disk')]"]
-        held = metrics["kvmesh_kvcache_tier_bytes[('tier', 'disk')]"]
+        evictions = metrics["kvmesh_kvcache_tier_evictions_total[('model_name', '*'), ('tier', 'disk')]"]
+        held = metrics["kvmesh_kvcache_tier_bytes[('model_name', '*'), ('tier', 'disk')]"]
         print(f"map full: {evictions:.0f} evictions, {held / 2**20:.1f} MiB held of 4 MiB")
         assert evictions > 0 and 0 < held <= 4 << 20
     finally:

@@ -151,6 +151,15 @@ def test_services_reach_each_other_by_service_name_and_configured_port(configs):
     assert gateway.router_address == f"router:{router.server.port}"
 
 
+def test_every_service_labels_its_metrics_with_the_model_clients_name(configs):
+    """model_name: the served name on the services of that one model, "*" on those shared by any
+    (README, "The compose stack")."""
+    served = configs["engine"].served_model_name
+    assert [t.name for t in configs["router"].topology.tiers] == [served]
+    assert {n: configs[n].metrics_model_name for n in KVMESH} == {
+        "kvcache": "*", "draft": served, "engine": served, "router": served, "gateway": "*"}
+
+
 def test_same_topology_as_kvmesh_up(services, configs):
     """Modules, ports and thread budgets as launcher.stack_services plans them for one machine;
     only the engine's thread count differs: 0 = every core the engine's container may use."""

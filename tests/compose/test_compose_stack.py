@@ -204,7 +204,7 @@ def _scrape(stack, service: str, port: int) -> str:
 
 def _disk_entries(stack) -> float:
     text = _scrape(stack, "kvcache", 9071)
-    found = re.search(r'^kvmesh_kvcache_tier_entries\{tier="disk"\} (\S+)$', text, re.M)
+    found = re.search(r'^kvmesh_kvcache_tier_entries\{model_name="\*",tier="disk"\} (\S+)$', text, re.M)
     assert found, "kvmesh_kvcache_tier_entries{tier=\"disk\"} missing from the KV service's /metrics"
     return float(found.group(1))
 

@@ -45,8 +45,8 @@ def test_good_key_is_200_and_tenants_get_their_own_salt(keyed_gateway, keys_and_
     assert sent["acme"] != sent["globex"]
     assert sent["shared-a"] == sent["shared-b"] == "ns:team"  # the operator chose to share
     metrics = httpx.get(keyed_gateway.base_url.removesuffix("/v1") + "/metrics").text
-    assert 'endpoint="/v1/chat/completions",status="200",tenant="acme"' in metrics
-    assert 'status="401",tenant="unauthenticated"' in metrics
+    assert f'endpoint="/v1/chat/completions",model_name="{MODEL}",status="200",tenant="acme"' in metrics
+    assert 'model_name="*",status="401",tenant="unauthenticated"' in metrics  # no model before the key
 
 
 async def test_tenant_in_flight_cap_is_429(keyed_gateway, keys_and_file):

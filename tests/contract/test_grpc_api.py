@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
+import httpx
 import pytest
 
 from gateway_utils import MAX_MODEL_LEN, MODEL, WORDS
 from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2 as pb
 from kvmesh.gateway.v1 import gateway_pb2_grpc
+from kvmesh.router.v1 import router_pb2
 
 HI = [pb.ChatMessage(role=pb.ROLE_USER, content="hi")]
 
@@ -65,6 +68,19 @@ async def test_complete_with_n_stop_logprobs_and_echo(stub, gateway):
         lps = [e for d in deltas for e in d.logprobs]
         assert lps[0].chosen.logprob == -0.25 and len(lps[0].top) == 1
     assert chunks[-1].usage.prompt_tokens == 2
+
+
+async def test_grpc_requests_are_counted_under_their_model(stub, gateway):
+    await _collect(stub.ChatComplete(pb.ChatCompleteRequest(model=MODEL, messages=HI)))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await _collect(stub.ChatComplete(pb.ChatCompleteRequest(model="no-such-model", messages=HI)))
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{gateway.base_url.removesuffix('/v1')}/metrics")).text
+    assert ('kvmesh_gateway_requests_total{endpoint="grpc:ChatComplete",'
+            f'model_name="{MODEL}",status="200",tenant="default"}}') in text
+    # a model nobody serves is counted under "*", never as a series of its own
+    assert 'model_name="no-such-model"' not in text
+    assert 'kvmesh_gateway_requests_total{endpoint="grpc:ChatComplete",model_name="*",status="404"' in text
 
 
 async def test_token_id_prompt_and_length(stub, gateway):
@@ -183,3 +199,177 @@ async def test_keys_apply_to_grpc(keyed_gateway, keys_and_file):
         assert chunks[-1].usage.completion_tokens == len(WORDS)
     sent = keyed_gateway.state.calls[-1].request
     assert (sent.tenant, sent.request.cache_salt) == ("acme", "tenant:acme")
+
+
+# --- parity with the HTTP API: the sampling set, structured output, tools, errors ---------------
+
+USER = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOLS_HTTP = [{"type": "function", "function": {"name": "f", "description": "Does f.", "parameters": SCHEMA}},
+              {"type": "function", "function": {"name": "g"}}]
+TOOLS = [pb.Tool(name="f", description="Does f.", parameters=json.dumps(SCHEMA)), pb.Tool(name="g")]
+
+
+def _upstream(gateway) -> router_pb2.RouteRequest:
+    [call] = gateway.state.calls
+    return call.request
+
+
+def _http(gateway, body: dict) -> httpx.Response:
+    return httpx.post(gateway.base_url + "/chat/completions", json={"model": MODEL, **body}, timeout=30)
+
+
+async def _both(gateway, stub, body: dict, request: pb.ChatCompleteRequest) -> tuple[router_pb2.RouteRequest, ...]:
+    """What the engine is asked for by the same request over HTTP and over gRPC."""
+    r = _http(gateway, {"messages": USER, **body})
+    assert r.status_code == 200, r.text
+    http = _upstream(gateway)
+    gateway.reset()
+    chunks = await _collect(stub.ChatComplete(request))
+    assert chunks[-1].HasField("usage")
+    return http, _upstream(gateway)
+
+
+async def test_every_sampling_field_reaches_the_engine_as_over_http(stub, gateway):
+    http, grpc_ = await _both(gateway, stub, {
+        "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2,
+        "logit_bias": {"7": 3.5, "11": -100}, "top_k": 5, "min_p": 0.1, "ignore_eos": True,
+        "stop_token_ids": [3, 4], "min_tokens": 2, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+        "stop": ["x"], "max_tokens": 9}, pb.ChatCompleteRequest(model=MODEL, messages=HI, options=pb.GenerationOptions(
+            presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, logit_bias={7: 3.5, 11: -100},
+            top_k=5, min_p=0.1, ignore_eos=True, stop_token_ids=[3, 4], min_tokens=2, temperature=0.7,
+            top_p=0.9, seed=3, stop=["x"], max_tokens=9)))
+    sp = grpc_.request.sampling
+    assert sp == http.request.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, dict(sp.logit_bias)) == (0.5, -0.25, {7: 3.5, 11: -100.0})
+    assert (sp.top_k, sp.min_tokens, list(sp.stop_token_ids), sp.ignore_eos) == (5, 2, [3, 4], True)
+    assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
+
+
+async def test_unset_fields_keep_the_engines_defaults(stub, gateway):
+    await _collect(stub.Complete(pb.CompleteRequest(model=MODEL, text="x", options=pb.GenerationOptions(top_k=-1))))
+    sp = _upstream(gateway).request.sampling
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "top_k",
+                 "structured_output"):
+        assert not sp.HasField(name), name
+    assert not sp.logit_bias and not sp.stop_token_ids and not sp.ignore_eos
+
+
+@pytest.mark.parametrize("body, options", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+     pb.GenerationOptions(response_format=pb.ResponseFormat(
+         type=pb.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+         json_schema=pb.JsonSchema(name="s", schema=json.dumps(SCHEMA), strict=True)))),
+    ({"response_format": {"type": "json_object"}},
+     pb.GenerationOptions(response_format=pb.ResponseFormat(type=pb.RESPONSE_FORMAT_TYPE_JSON_OBJECT))),
+    ({"response_format": {"type": "text"}},
+     pb.GenerationOptions(response_format=pb.ResponseFormat(type=pb.RESPONSE_FORMAT_TYPE_TEXT))),
+    ({"guided_regex": "[ab]+"}, pb.GenerationOptions(guided_regex="[ab]+")),
+    ({"guided_choice": ["yes", "no"]}, pb.GenerationOptions(guided_choice=["yes", "no"])),
+    ({"guided_grammar": 'start: "x" | "y"'}, pb.GenerationOptions(guided_grammar='start: "x" | "y"')),
+], ids=["json_schema", "json_object", "text", "regex", "choice", "grammar"])
+async def test_structured_output_reaches_the_engine_as_over_http(stub, gateway, body, options):
+    http, grpc_ = await _both(gateway, stub, body, pb.ChatCompleteRequest(model=MODEL, messages=HI, options=options))
+    assert grpc_.request.sampling == http.request.sampling
+    assert grpc_.request.sampling.HasField("structured_output") == (body != {"response_format": {"type": "text"}})
+
+
+@pytest.mark.parametrize("http_choice, choice, parallel", [
+    ("required", pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), False),
+    ({"type": "function", "function": {"name": "f"}}, pb.ToolChoice(function="f"), None),
+    ("none", pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE), None),
+])
+async def test_tools_reach_the_engine_and_the_prompt_as_over_http(stub, gateway, http_choice, choice, parallel):
+    body = {"tools": TOOLS_HTTP, "tool_choice": http_choice}
+    request = pb.ChatCompleteRequest(model=MODEL, messages=HI, tools=TOOLS, tool_choice=choice)
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+        request.parallel_tool_calls = parallel
+    http, grpc_ = await _both(gateway, stub, body, request)
+    assert grpc_.request.sampling == http.request.sampling and grpc_.prompt_text == http.prompt_text
+
+
+def _deltas(chunks: list[pb.CompletionChunk]) -> list[pb.ChoiceDelta]:
+    return [d for c in chunks for d in c.choices]
+
+
+async def test_a_required_tool_call_comes_back_as_a_tool_call(stub, gateway):
+    gateway.state.words = ('[{"name": "f", ', '"parameters": {"a": 1}}]')
+    deltas = _deltas(await _collect(stub.ChatComplete(pb.ChatCompleteRequest(
+        model=MODEL, messages=HI, tools=TOOLS, tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)))))
+    assert deltas[0].role == pb.ROLE_ASSISTANT and not any(d.text for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == [2000, 2001]  # ids still stream
+    [call] = deltas[-1].tool_calls
+    assert call.name == "f" and json.loads(call.arguments) == {"a": 1} and call.id.startswith("call_")
+    assert deltas[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    assert not any(d.tool_calls or d.HasField("finish_reason") for d in deltas[:-1])
+
+
+async def test_a_named_tool_call_and_an_output_cut_short(stub, gateway):
+    gateway.state.words = ('{"a": ', '2}')
+    named = pb.ChatCompleteRequest(model=MODEL, messages=HI, tools=TOOLS, tool_choice=pb.ToolChoice(function="f"))
+    [call] = _deltas(await _collect(stub.ChatComplete(named)))[-1].tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("f", {"a": 2})
+    named.options.max_tokens = 1  # cut by max_tokens: no call, the text with its own reason
+    last = _deltas(await _collect(stub.ChatComplete(named)))[-1]
+    assert (last.text, list(last.tool_calls), last.finish_reason) == ('{"a": ', [], common_pb2.FINISH_REASON_LENGTH)
+
+
+async def test_a_conversation_with_tool_calls_replays_as_over_http(stub, gateway):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    messages = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    http, grpc_ = await _both(gateway, stub, {"messages": messages, "tools": TOOLS_HTTP, "tool_choice": "none"},
+                              pb.ChatCompleteRequest(model=MODEL, tools=TOOLS, messages=[
+                                  *HI, pb.ChatMessage(role=pb.ROLE_ASSISTANT, tool_calls=[pb.ToolCall(
+                                      id="call_1", name="f", arguments='{"a": 1}')]),
+                                  pb.ChatMessage(role=pb.ROLE_TOOL, content="42", tool_call_id="call_1")],
+                                  tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE)))
+    assert grpc_.prompt_text == http.prompt_text
+
+
+@pytest.mark.parametrize("body, request_", [
+    ({"repetition_penalty": -0.5}, dict(options=pb.GenerationOptions(repetition_penalty=-0.5))),
+    ({"min_p": 1.5}, dict(options=pb.GenerationOptions(min_p=1.5))),
+    ({"top_k": -2}, dict(options=pb.GenerationOptions(top_k=-2))),
+    ({"presence_penalty": 2.5}, dict(options=pb.GenerationOptions(presence_penalty=2.5))),
+    ({"logit_bias": {"5": 150.5}}, dict(options=pb.GenerationOptions(logit_bias={5: 150.5}))),
+    ({"min_tokens": 5, "max_tokens": 2}, dict(options=pb.GenerationOptions(min_tokens=5, max_tokens=2))),
+    ({"tools": TOOLS_HTTP}, dict(tools=TOOLS)),
+    ({"tools": TOOLS_HTTP, "tool_choice": {"type": "function", "function": {"name": "h"}}},
+     dict(tools=TOOLS, tool_choice=pb.ToolChoice(function="h"))),
+    ({"tool_choice": "required"}, dict(tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED))),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+     dict(options=pb.GenerationOptions(response_format=pb.ResponseFormat(
+         type=pb.RESPONSE_FORMAT_TYPE_JSON_SCHEMA, json_schema=pb.JsonSchema(name="s"))))),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+     dict(options=pb.GenerationOptions(response_format=pb.ResponseFormat(type=pb.RESPONSE_FORMAT_TYPE_JSON_OBJECT),
+                                       guided_regex="a"))),
+    ({"guided_grammar": "start: ("}, dict(options=pb.GenerationOptions(guided_grammar="start: ("))),
+    ({"messages": [*USER, {"role": "tool", "content": "42"}]},
+     dict(messages=[*HI, pb.ChatMessage(role=pb.ROLE_TOOL, content="42")])),
+], ids=["repetition_penalty", "min_p", "top_k", "presence_penalty", "logit_bias", "min_tokens", "tool_choice_auto",
+        "unknown_function", "tool_choice_without_tools", "schema_missing", "two_constraints", "bad_grammar",
+        "tool_message_without_id"])
+async def test_invalid_values_are_invalid_argument_with_the_http_message(stub, gateway, body, request_):
+    r = _http(gateway, {"messages": USER, **body})
+    assert r.status_code == 400, r.text
+    request_ = pb.ChatCompleteRequest(model=MODEL, **{"messages": HI, **request_})
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await _collect(stub.ChatComplete(request_))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == r.json()["error"]["message"]
+    assert gateway.state.calls == []
+
+
+async def test_json_carried_as_text_must_parse(stub, gateway):
+    bad = [pb.ChatCompleteRequest(model=MODEL, messages=HI, options=pb.GenerationOptions(
+               response_format=pb.ResponseFormat(type=pb.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+                                                 json_schema=pb.JsonSchema(schema="{not json")))),
+           pb.ChatCompleteRequest(model=MODEL, messages=HI, tools=[pb.Tool(name="f", parameters="[1,")],
+                                  tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED))]
+    for request_, param in zip(bad, ("response_format.json_schema.schema", "tools[0].parameters")):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await _collect(stub.ChatComplete(request_))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(f"{param} is not valid JSON")

@@ -176,8 +176,8 @@ def test_health_and_metrics(gateway, client):
     health = httpx.get(f"{root}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     text = httpx.get(f"{root}/metrics").text
-    assert ('kvmesh_gateway_requests_total{endpoint="/v1/chat/completions",status="200",'
-            'tenant="default"}') in text
+    assert ('kvmesh_gateway_requests_total{endpoint="/v1/chat/completions",'
+            f'model_name="{MODEL}",status="200",tenant="default"}}') in text
     for name in ("kvmesh_gateway_ttft_seconds_bucket", "kvmesh_gateway_inflight_requests",
                  "kvmesh_gateway_inflight_prompt_tokens"):
         assert name in text

@@ -235,7 +235,8 @@ async def test_gateway_full_is_503_with_retry_after_and_slots_come_back(small_ga
         r = await c.chat.completions.create(model=MODEL, messages=USER, n=2)
         assert len(r.choices) == 2
     root = h.base_url.removesuffix("/v1")
-    assert 'kvmesh_gateway_rejected_total{reason="inflight_requests"}' in httpx.get(f"{root}/metrics").text
+    assert (f'kvmesh_gateway_rejected_total{{model_name="{MODEL}",reason="inflight_requests"}}'
+            in httpx.get(f"{root}/metrics").text)
 
 
 async def test_slo_admission_sheds_what_would_miss_the_ttft_slo_with_retry_after():
@@ -264,7 +265,8 @@ async def test_slo_admission_sheds_what_would_miss_the_ttft_slo_with_retry_after
             assert slo.waiting_tokens == 0
             assert (await c.chat.completions.create(model=MODEL, messages=USER)).choices
         root = h.base_url.removesuffix("/v1")
-        assert 'kvmesh_gateway_rejected_total{reason="slo_ttft"} 1.0' in httpx.get(f"{root}/metrics").text
+        assert (f'kvmesh_gateway_rejected_total{{model_name="{MODEL}",reason="slo_ttft"}} 1.0'
+                in httpx.get(f"{root}/metrics").text)
         assert len(h.state.calls) == 2  # the shed one never reached the router
 
 

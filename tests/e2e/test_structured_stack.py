@@ -2,7 +2,9 @@
 stack as processes (what `kvmesh up` starts, speculative decoding included) with the real model:
 50 varied JSON schemas whose every output parses and validates, tool calls with "required" and a
 named function whose arguments validate, vLLM's guided_* extensions, extras that change the
-output as they say, and unknown fields refused with a 400 naming them."""
+output as they say (min_tokens outlasting a stop string too), and unknown fields refused with a
+400 naming them. Then the same through the gRPC API: the sampling fields, JSON schemas and tool
+calls (as ToolCall messages)."""
 from __future__ import annotations
 
 import json
@@ -10,10 +12,14 @@ import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import jsonschema_rs
 import openai
 import pytest
 
+from kvmesh.common.v1 import common_pb2 as cpb
+from kvmesh.gateway.v1 import gateway_pb2 as gpb
+from kvmesh.gateway.v1 import gateway_pb2_grpc
 from kvmesh.model.bundled import source_tokenizer
 from test_openai_stack import stack  # noqa: F401  (the same module-scoped stack fixture)
 
@@ -189,3 +195,83 @@ def test_unknown_fields_are_refused_naming_them(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{**body, "extra_body": extra})
     assert e.value.body["param"] == param and param in e.value.body["message"]
+
+
+def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_output(client):
+    """vLLM's min_tokens: a stop string counts only when it ends after the min_tokens-th token."""
+    messages = [{"role": "user", "content": "Count from 1 to 30, one number per line."}]
+    base = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                          logprobs=True)
+    text, tokens = base.choices[0].message.content, [t.token for t in base.choices[0].logprobs.content]
+    assert "".join(tokens) == text and text.count("\n") >= 4, text
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=["\n"])
+    assert cut.choices[0].message.content == text[:text.index("\n")]
+    min_tokens = next(i for i in range(1, len(tokens)) if "\n" in "".join(tokens[:i])) + 2
+    boundary = len("".join(tokens[:min_tokens]))  # a stop string must end past the text of these tokens
+    later = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                           stop=["\n"], extra_body={"min_tokens": min_tokens})
+    assert later.choices[0].finish_reason == "stop"
+    assert later.choices[0].message.content == text[:text.index("\n", boundary)]
+
+
+# --- the same through the gRPC API (kvmesh.gateway.v1.GatewayService) ----------------------------
+
+@pytest.fixture
+def stub(stack):
+    with grpc.insecure_channel(stack["gateway"].address) as channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+def _chat(stub, content: str, **kw) -> tuple[list[gpb.ChoiceDelta], gpb.CompletionChunk]:
+    options = kw.pop("options", {})
+    chunks = list(stub.ChatComplete(gpb.ChatCompleteRequest(
+        model=MODEL, messages=[gpb.ChatMessage(role=gpb.ROLE_USER, content=content)],
+        options=gpb.GenerationOptions(temperature=0, **options), **kw), timeout=300))
+    return [d for c in chunks for d in c.choices], chunks[-1]
+
+
+def _ids(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def test_grpc_sampling_fields_reach_the_engine(stub):
+    question = "Answer with one word: is water wet?"
+    base, last = _chat(stub, question, options={"max_tokens": 16})
+    assert base[-1].finish_reason == cpb.FINISH_REASON_STOP and last.usage.completion_tokens < 12
+    n = last.usage.completion_tokens
+    forced = _ids(_chat(stub, question, options={"max_tokens": 4, "logit_bias": {42: 100.0}})[0])
+    assert forced == [42] * 4  # greedy with a +100 bias: only that token
+    stop_id = _ids(base)[1]
+    stopped, _ = _chat(stub, question, options={"max_tokens": 16, "stop_token_ids": [stop_id]})
+    assert _ids(stopped) == _ids(base)[:_ids(base).index(stop_id) + 1]
+    assert stopped[-1].finish_reason == cpb.FINISH_REASON_STOP
+    _, longer = _chat(stub, question, options={"max_tokens": 16, "min_tokens": n + 3})
+    assert longer.usage.completion_tokens >= n + 3
+    eos, last = _chat(stub, question, options={"max_tokens": n + 5, "ignore_eos": True})
+    assert last.usage.completion_tokens == n + 5 and eos[-1].finish_reason == cpb.FINISH_REASON_LENGTH
+
+
+def test_grpc_json_schema_output_parses_and_validates(stub):
+    for i, schema in enumerate(schemas(count=5, seed=11)):
+        deltas, _ = _chat(stub, f"Describe item {i} as JSON.", options={"max_tokens": 160, "response_format": gpb.ResponseFormat(
+            type=gpb.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+            json_schema=gpb.JsonSchema(name=f"s{i}", schema=json.dumps(schema), strict=True))})
+        assert deltas[-1].finish_reason == cpb.FINISH_REASON_STOP
+        text = "".join(d.text for d in deltas)
+        assert jsonschema_rs.validator_for(schema).is_valid(json.loads(text)), (schema, text)
+
+
+def test_grpc_tool_calls_come_back_as_tool_calls(stub):
+    tools = [gpb.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                      parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+    deltas, _ = _chat(stub, "What is 12 plus 30?", tools=tools, options={"max_tokens": 120},
+                      tool_choice=gpb.ToolChoice(mode=gpb.TOOL_CHOICE_MODE_REQUIRED))
+    assert deltas[-1].finish_reason == cpb.FINISH_REASON_TOOL_CALLS and not any(d.text for d in deltas)
+    assert deltas[-1].tool_calls
+    for call in deltas[-1].tool_calls:
+        assert call.id.startswith("call_")
+        assert jsonschema_rs.validator_for(PARAMS[call.name]).is_valid(json.loads(call.arguments))
+    deltas, _ = _chat(stub, "Add 3 and 4.", tools=tools, options={"max_tokens": 80},
+                      tool_choice=gpb.ToolChoice(function="add"))
+    [call] = deltas[-1].tool_calls
+    assert call.name == "add" and jsonschema_rs.validator_for(PARAMS["add"]).is_valid(json.loads(call.arguments))

@@ -85,7 +85,9 @@ def test_gateway_grpc(gateway, n_cases):
         p + "GenerationOptions.max_tokens": st.integers(1, 8), p + "GenerationOptions.n": st.integers(1, 3),
         p + "GenerationOptions.logprobs": st.integers(0, 5),
         p + "LossyReuse.kv_codec": st.sampled_from(LOSSY_KV_CODECS),
-        p + "ChatMessage.role": st.integers(1, 4), "kvmesh.common.v1.TokenIds.ids": st.integers(0, 257)})
+        p + "ChatMessage.role": st.integers(1, 5), "kvmesh.common.v1.TokenIds.ids": st.integers(0, 257),
+        p + "TokenizeRequest.model": models, p + "DetokenizeRequest.tokens": st.integers(0, 300),
+        p + "GenerationOptions.min_tokens": st.integers(0, 8), p + "GenerationOptions.top_k": st.integers(-2, 50)})
     user = gateway_pb2.ChatMessage(role=gateway_pb2.ROLE_USER, content="hi")
     seeds = {
         "Complete": [gateway_pb2.CompleteRequest(model=MODEL, text="hi"),
@@ -97,7 +99,20 @@ def test_gateway_grpc(gateway, n_cases):
                                             documents=[gateway_pb2.Document(text="doc")],
                                             retrieve=gateway_pb2.Retrieve(top_k=2), recompute_ratio=0.5),
             gateway_pb2.ChatCompleteRequest(model=MODEL, messages=[user], options=gateway_pb2.GenerationOptions(
-                n=2, stop=[" the"], lossy=gateway_pb2.LossyReuse(kv_codec="int8")))]}
+                n=2, stop=[" the"], lossy=gateway_pb2.LossyReuse(kv_codec="int8"))),
+            gateway_pb2.ChatCompleteRequest(
+                model=MODEL, messages=[user], tools=[gateway_pb2.Tool(name="f", parameters='{"type": "object"}')],
+                tool_choice=gateway_pb2.ToolChoice(mode=gateway_pb2.TOOL_CHOICE_MODE_REQUIRED),
+                options=gateway_pb2.GenerationOptions(presence_penalty=0.5, logit_bias={104: 2.0}, min_tokens=1,
+                                                      stop_token_ids=[3], top_k=5, min_p=0.1)),
+            gateway_pb2.ChatCompleteRequest(model=MODEL, messages=[user], options=gateway_pb2.GenerationOptions(
+                response_format=gateway_pb2.ResponseFormat(
+                    type=gateway_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+                    json_schema=gateway_pb2.JsonSchema(name="s", schema='{"type": "integer"}'))))],
+        "Tokenize": [gateway_pb2.TokenizeRequest(model=MODEL, prompt="hi", return_token_strs=True),
+                     gateway_pb2.TokenizeRequest(messages=[user], add_generation_prompt=False)],
+        "Detokenize": [gateway_pb2.DetokenizeRequest(model=MODEL, tokens=[104, 105])],
+        "Embed": [gateway_pb2.EmbedRequest(model="all-MiniLM-L6-v2", input=["hi"])]}
     tally = Tally("gateway GatewayService")
     fuzz(gateway, cases(GATEWAY, gen, seeds), n_cases, tally)
     check_still_serving(gateway, case_of(GATEWAY, "ChatComplete", seeds["ChatComplete"][0]))

@@ -80,4 +80,4 @@ async def test_pd_outputs_equal_colocated_ones_even_when_the_kv_service_stops_mi
     # after it, what was not stored was computed by the decode engine
     assert all(t < len(prompt) // CHUNK * CHUNK for prompt, t in zip(prompts[11:], imported[11:]))
     assert telemetry.registry.get_sample_value("kvmesh_router_pd_routes_total",
-                                               {"tier": "t", "route": "pd", "reason": ""}) == 20
+                                               {"model_name": "t", "tier": "t", "route": "pd", "reason": ""}) == 20

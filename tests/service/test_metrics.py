@@ -5,7 +5,9 @@ format) and every counter must have moved by exactly the known amount.
 Each test gets a registry of its own, as the entry helper gives each service process one, served
 at `metrics_url` (the gateway's is served by its HTTP app). The tests compare scrapes before and
 after; collectors of one engine or store (prefix cache, KV link, speculation, tiers) are
-registered for their part of the test only, so their values are absolute.
+registered for their part of the test only, so their values are absolute. Every scraped sample
+must carry `model_name`: the registry's (`MODEL_NAME`, as an engine's carries its served name)
+unless the series names its own (the gateway's per-request ones).
 """
 from __future__ import annotations
 
@@ -31,39 +33,50 @@ from kvmesh.telemetry import Telemetry
 
 CHUNK = 32
 KVCACHE = "kvmesh.kvcache.v1.KvcacheService"
+MODEL_NAME = "tiny"
 
 
 @dataclass(frozen=True)
 class Scrape:
-    """One scrape of /metrics: sample name + labels -> value."""
+    """One scrape of /metrics: sample name + labels -> value. A lookup that names no model_name
+    means the scrape's default one."""
 
     values: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+    model_name: str
+
+    def _key(self, name: str, labels: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return name, tuple(sorted({"model_name": self.model_name, **labels}.items()))
 
     def __call__(self, name: str, **labels: str) -> float:
         """The sample's value; KeyError when the scrape lacks it (a misspelt name fails)."""
-        return self.values[(name, tuple(sorted(labels.items())))]
+        return self.values[self._key(name, labels)]
 
     def get(self, name: str, **labels: str) -> float:
         """The sample's value, 0 when absent (a labelled child not created yet)."""
-        return self.values.get((name, tuple(sorted(labels.items()))), 0.0)
+        return self.values.get(self._key(name, labels), 0.0)
+
+    def has(self, name: str, **labels: str) -> bool:
+        return self._key(name, labels) in self.values
 
 
-def scrape(url: str) -> Scrape:
+def scrape(url: str, model_name: str = MODEL_NAME) -> Scrape:
     text = httpx.get(url, timeout=10).text
-    return Scrape({(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for family in text_string_to_metric_families(text) for s in family.samples})
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    unlabelled = sorted({s.name for s in samples if not s.labels.get("model_name")})
+    assert not unlabelled, f"samples without a model_name label: {unlabelled}"
+    return Scrape({(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}, model_name)
 
 
 class Deltas:
     """Scrapes before and after; `moved(name, **labels)` is after minus before."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.before = scrape(url)
+    def __init__(self, url: str, model_name: str = MODEL_NAME) -> None:
+        self.url, self.model_name = url, model_name
+        self.before = scrape(url, model_name)
         self.after = self.before
 
     def rescrape(self) -> Scrape:
-        self.after = scrape(self.url)
+        self.after = scrape(self.url, self.model_name)
         return self.after
 
     def moved(self, name: str, **labels: str) -> float:
@@ -72,8 +85,9 @@ class Deltas:
 
 @pytest.fixture
 def telemetry() -> Telemetry:
-    """The test's telemetry: one service's registry (and tracer provider)."""
-    return Telemetry.create("kvmesh-test")
+    """The test's telemetry: one service's registry (and tracer provider), its samples labelled
+    with MODEL_NAME."""
+    return Telemetry.create("kvmesh-test", model_name=MODEL_NAME)
 
 
 @pytest.fixture
@@ -148,8 +162,9 @@ async def test_engine_counters_after_a_known_workload(tiny, metrics_url, engine_
     assert d.moved(e + "request_prompt_tokens_bucket", le="20.0") == 0
     assert after(e + "num_requests_running") == 0 and after(e + "num_requests_waiting") == 0
     assert after(e + "kv_cache_usage_perc") == 0.0
-    assert (e + "spec_decode_num_drafts_total", ()) not in after.values  # no draft service
-    assert (e + "kv_lookups_total", ()) not in after.values  # no KV-cache service
+    assert not after.has(e + "spec_decode_num_drafts_total")  # no draft service
+    assert not after.has(e + "kv_lookups_total")  # no KV-cache service
+    assert after.values[(e + "prompt_tokens_total", (("model_name", MODEL_NAME),))] == 4 * 40
 
 
 async def test_speculative_decoding_counters(tiny, metrics_url, engine_metrics):
@@ -298,7 +313,8 @@ def test_gateway_counters():
     # request for a model that does not exist. Scraped at the gateway's own GET /metrics.
     with GatewayHarness() as h:
         h.state.cached_tokens = 2
-        d = Deltas(f"http://127.0.0.1:{h.http_port}/metrics")
+        # ALL_MODELS on the gateway's own series (in flight, requests of no served model)
+        d = Deltas(f"http://127.0.0.1:{h.http_port}/metrics", model_name="*")
         with httpx.Client(base_url=h.base_url, timeout=10) as client:
             for _ in range(3):
                 r = client.post("/completions", json={"model": MODEL, "prompt": "abcd", "max_tokens": 3})
@@ -306,14 +322,16 @@ def test_gateway_counters():
             assert client.post("/completions", json={"model": "nope", "prompt": "abcd"}).status_code == 404
         d.rescrape()
 
-    g, ep = "kvmesh_gateway_", "/v1/completions"
-    assert d.moved(g + "requests_total", endpoint=ep, status="200", tenant="default") == 3
-    assert d.moved(g + "requests_total", endpoint=ep, status="404", tenant="default") == 1
-    assert d.moved(g + "tokens_total", kind="prompt") == 3 * 4
-    assert d.moved(g + "tokens_total", kind="completion") == 3 * 3
-    assert d.moved(g + "tokens_total", kind="cached") == 3 * 2
-    assert d.moved(g + "request_seconds_count", endpoint=ep) == 4
-    assert d.moved(g + "ttft_seconds_count", endpoint=ep) == 3
+    g, ep, m = "kvmesh_gateway_", "/v1/completions", MODEL
+    assert d.moved(g + "requests_total", model_name=m, endpoint=ep, status="200", tenant="default") == 3
+    assert d.moved(g + "requests_total", endpoint=ep, status="404", tenant="default") == 1  # "nope": "*"
+    assert not d.after.has(g + "requests_total", model_name="nope", endpoint=ep, status="404", tenant="default")
+    assert d.moved(g + "tokens_total", model_name=m, kind="prompt") == 3 * 4
+    assert d.moved(g + "tokens_total", model_name=m, kind="completion") == 3 * 3
+    assert d.moved(g + "tokens_total", model_name=m, kind="cached") == 3 * 2
+    assert d.moved(g + "request_seconds_count", model_name=m, endpoint=ep) == 3
+    assert d.moved(g + "request_seconds_count", endpoint=ep) == 1
+    assert d.moved(g + "ttft_seconds_count", model_name=m, endpoint=ep) == 3
     assert d.after(g + "inflight_requests") == 0 and d.after(g + "inflight_prompt_tokens") == 0
 
 

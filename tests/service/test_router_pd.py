@@ -41,10 +41,10 @@ async def test_a_long_prompt_is_prefilled_on_one_replica_and_decoded_on_the_othe
     finals = [m.response.final for m in msgs if m.response.HasField("final")]
     assert len(finals) == 1 and finals[0].usage.completion_tokens == 3
     assert msgs[0].route.replica == f"{p.address}>{d.address}"
-    assert metric(telemetry, "kvmesh_router_pd_routes_total", tier="t", route="pd", reason="") == 1
+    assert metric(telemetry, "kvmesh_router_pd_routes_total", model_name="t", tier="t", route="pd", reason="") == 1
     for replica, policy in ((p.address, "pd_prefill"), (d.address, "pd_decode")):
-        assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=replica, policy=policy,
-                      code="OK") == 1
+        assert metric(telemetry, "kvmesh_router_requests_total", model_name="t", tier="t", replica=replica,
+                      policy=policy, code="OK") == 1
 
 
 @pytest.mark.parametrize("prompt, sampling, reason", [
@@ -58,7 +58,8 @@ async def test_short_prompts_and_one_token_requests_run_whole_on_a_decode_replic
             msgs = await r.collect(route_request(prompt, **sampling))
     assert not p.generate_calls and len(d.generate_calls) == 1 and not d.generate_calls[0].kv_handoff
     assert tokens_of(msgs) == [101, 102, 103]
-    assert metric(telemetry, "kvmesh_router_pd_routes_total", tier="t", route="colocated", reason=reason) == 1
+    assert metric(telemetry, "kvmesh_router_pd_routes_total", model_name="t", tier="t", route="colocated",
+                  reason=reason) == 1
 
 
 async def test_the_threshold_is_a_flag():
@@ -87,9 +88,10 @@ async def test_a_dead_prefill_pool_falls_back_to_colocated_decode():
     for msgs in (first, second):
         assert tokens_of(msgs) == [101, 102, 103]
     assert [c.kv_handoff for c in d.generate_calls] == [False, False]
-    assert metric(telemetry, "kvmesh_router_pd_routes_total", tier="t", route="colocated",
+    assert metric(telemetry, "kvmesh_router_pd_routes_total", model_name="t", tier="t", route="colocated",
                   reason="prefill_failed") == 1
-    assert metric(telemetry, "kvmesh_router_pd_routes_total", tier="t", route="colocated", reason="pool_down") == 1
+    assert metric(telemetry, "kvmesh_router_pd_routes_total", model_name="t", tier="t", route="colocated",
+                  reason="pool_down") == 1
 
 
 async def test_a_decode_hop_no_decode_replica_takes_is_continued_elsewhere():
@@ -120,5 +122,5 @@ async def test_prompts_in_parts_and_text_are_not_disaggregated():
             req.request.text = "word " * 2000
             await r.collect(req)
     assert not p.generate_calls and d.generate_calls
-    assert metric(telemetry, "kvmesh_router_pd_routes_total", tier="t", route="colocated",
+    assert metric(telemetry, "kvmesh_router_pd_routes_total", model_name="t", tier="t", route="colocated",
                   reason="not_token_ids") == 1

@@ -85,7 +85,7 @@ async def test_a_down_replica_is_skipped_and_the_request_succeeds():
     async with fake_engines(Script()) as (live,):
         cfg = router_config(tiers=f"t={dead},{live.address}", policy="round_robin")
         telemetry = Telemetry.create("kvmesh-router")
-        before = metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=dead,
+        before = metric(telemetry, "kvmesh_router_requests_total", model_name="t", tier="t", replica=dead,
                         policy="round_robin", code="UNAVAILABLE")
         async with serving_router(cfg, telemetry) as r:
             first = await r.collect(route_request())      # the cursor points at the dead one
@@ -93,7 +93,7 @@ async def test_a_down_replica_is_skipped_and_the_request_succeeds():
     assert (replica_of(first), first[0].route.policy) == (live.address, FAILOVER)
     assert (replica_of(second), second[0].route.policy) == (live.address, ROUND_ROBIN)
     assert text_of(first) == " e0101 e0102 e0103"
-    assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=dead,
+    assert metric(telemetry, "kvmesh_router_requests_total", model_name="t", tier="t", replica=dead,
                   policy="round_robin", code="UNAVAILABLE") == before + 1
 
 
@@ -178,10 +178,10 @@ async def test_a_replica_failing_mid_stream_hands_the_request_to_another_that_re
     assert resumed.request_id == flaky.generate_calls[0].request_id
     assert not resumed.sampling.HasField("prompt_logprobs") and resumed.sampling.logprobs == 1
     assert msgs[-1].response.final.usage.completion_tokens == 3
-    assert metric(telemetry, "kvmesh_router_migrations_total", tier="t", outcome="migrated") == 1
-    assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=flaky.address,
+    assert metric(telemetry, "kvmesh_router_migrations_total", model_name="t", tier="t", outcome="migrated") == 1
+    assert metric(telemetry, "kvmesh_router_requests_total", model_name="t", tier="t", replica=flaky.address,
                   policy="round_robin", code="UNAVAILABLE") == 1
-    assert metric(telemetry, "kvmesh_router_requests_total", tier="t", replica=e1.address,
+    assert metric(telemetry, "kvmesh_router_requests_total", model_name="t", tier="t", replica=e1.address,
                   policy="migration", code="OK") == 1
 
 
@@ -340,7 +340,7 @@ def cascade_config(cheap, strong, **overrides):
 
 async def test_cascade_keeps_a_confident_cheap_answer():
     telemetry = Telemetry.create("kvmesh-router")
-    before = metric(telemetry, "kvmesh_router_cascade_decisions_total", route="auto",
+    before = metric(telemetry, "kvmesh_router_cascade_decisions_total", model_name="auto", route="auto",
                     tier="cheap", reason="confident")
     async with fake_engines(Script(logprobs=[-0.1, -0.2, -0.3]), Script()) as (cheap, strong):
         async with serving_router(cascade_config(cheap, strong), telemetry) as r:
@@ -356,7 +356,7 @@ async def test_cascade_keeps_a_confident_cheap_answer():
         ("cheap", router_pb2.CONFIDENCE_SIGNAL_MEAN_LOGPROB, True, CONFIDENT, 3)
     assert step.confidence == pytest.approx(-0.2) and step.threshold == -0.5
     assert msgs[-1].response.final.usage.completion_tokens == 3
-    assert metric(telemetry, "kvmesh_router_cascade_decisions_total", route="auto",
+    assert metric(telemetry, "kvmesh_router_cascade_decisions_total", model_name="auto", route="auto",
                   tier="cheap", reason="confident") == before + 1
 
 

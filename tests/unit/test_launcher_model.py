@@ -49,6 +49,7 @@ def test_served_model_name_draft_model_and_chat_template(qwen, tmp_path):
     assert _args(specs["engine"])["--served-model-name"] == "tiny"
     assert _args(specs["router"])["--tiers"] == "tiny=127.0.0.1:50061@1.0"
     assert _args(specs["draft"])["--draft-model"] == str(qwen)
+    assert _args(specs["draft"])["--served-model-name"] == "tiny"  # its metrics' model_name
     assert _args(specs["gateway"])["--chat-template"] == str(template)
     check_model(plan)  # a draft model with the same tokenizer, a readable template
 

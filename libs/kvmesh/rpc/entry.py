@@ -12,9 +12,11 @@ Every `services/<service>/__main__.py` is a factory and one call:
         serve_main(RouterConfig, "router", build, argv)
 
 `serve_main` sets up logging, loads the config (flags > KVMESH_<SERVICE>_* > defaults; a bad one
-is its message on stderr and exit status 2, as argparse does, never a traceback) and logs it, creates the process's `Telemetry` (its metrics registry and tracer provider) from
-`cfg.server`, awaits the factory, serves what it built on an `RpcServer` with `cfg.server`'s
-settings until SIGTERM/SIGINT has drained it, then awaits `close` and flushes the spans.
+is its message on stderr and exit status 2, as argparse does, never a traceback) and logs it,
+creates the process's `Telemetry` (its metrics registry and tracer provider) from `cfg.server`
+and `cfg.metrics_model_name` (`service_telemetry`), awaits the factory, serves what it built on an
+`RpcServer` with `cfg.server`'s settings until SIGTERM/SIGINT has drained it, then awaits `close`
+and flushes the spans.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ class ServiceConfig(Protocol):
 
     @property
     def server(self) -> ServerSettings: ...
+
+    @property
+    def metrics_model_name(self) -> str:
+        """The `model_name` label of the service's metrics that name no model of their own: its
+        served model's name, or kvmesh.metrics.ALL_MODELS when it serves several."""
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -79,8 +86,15 @@ def serve_main(config: type[C], name: str, build: Callable[[C, Telemetry], Await
     asyncio.run(_serve(cfg, name, build))
 
 
+def service_telemetry(cfg: ServiceConfig, name: str) -> Telemetry:
+    """The `name` service process's telemetry: its spans named kvmesh-<name>, its metrics labelled
+    with `cfg.metrics_model_name`."""
+    return Telemetry.create(f"kvmesh-{name}", model_name=cfg.metrics_model_name,
+                            otlp_endpoint=cfg.server.otlp_endpoint)
+
+
 async def _serve(cfg: C, name: str, build: Callable[[C, Telemetry], Awaitable[Service]]) -> None:
-    telemetry = Telemetry.create(f"kvmesh-{name}", otlp_endpoint=cfg.server.otlp_endpoint)
+    telemetry = service_telemetry(cfg, name)
     try:
         with telemetry.activated():  # the service's own tasks (sweepers, warm-up calls) trace too
             service = await build(cfg, telemetry)

@@ -10,6 +10,7 @@ from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_ti
 from kvmesh.draft.v1 import draft_pb2
 from kvmesh.services.engine.core import EngineRequest
 from kvmesh.services.engine.speculation import SpecMode
+from kvmesh.services.engine.sequence import FinishReason
 
 K = 4
 
@@ -305,3 +306,37 @@ def test_drafts_per_sequence_shrink_to_fit_the_step_rows(tiny, fake):
     got = run_all(crowded, five, greedy(12, ignore_eos=True))
     assert all(got[r]["tokens"] == _plain(tiny, {r: five[r]}, greedy(12, ignore_eos=True))[r]["tokens"] for r in five)
     assert fake.calls == []
+
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
+@pytest.mark.parametrize("where", ["within", "straddling"])
+def test_stop_strings_count_only_when_they_end_after_min_tokens(tiny, fake, speculate, where):
+    """vLLM's min_tokens: no stop condition before min_tokens tokens, stop strings included. One
+    that ends within the first min_tokens tokens' text never stops the output; one that starts
+    there and ends in a later token's stops it, cut at its start. Several tokens accepted per step
+    (speculation) change nothing."""
+    prompt = {"r0": [(5 * j + 2) % 256 for j in range(24)]}
+    free = _plain(tiny, prompt, greedy(40, ignore_eos=True))["r0"]
+    full, min_tokens = free["text"], 6
+    boundary = len("".join(free["texts"][:min_tokens]))  # one token per output without speculation
+    if where == "within":
+        stop = "".join(free["texts"][:4])[-2:]
+        without = _plain(tiny, prompt, greedy(40, ignore_eos=True, stop=[stop]))["r0"]
+        assert without["final"].finish_reason is FinishReason.STOP_STRING and len(without["tokens"]) <= 4
+        cut = full.find(stop, boundary - len(stop) + 1)  # the first occurrence ending past the boundary
+    else:
+        stop, cut = full[boundary - 1:boundary + 1], boundary - 1
+        assert full.find(stop) == cut
+    params = greedy(40, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+    if speculate:
+        fake.propose = oracle_drafts(prompt, {"r0": free["tokens"]})
+        got = run_all(_spec_core(tiny, fake), prompt, params)["r0"]
+        assert got["final"].spec.accepted_tokens > 0
+    else:
+        got = _plain(tiny, prompt, params)["r0"]
+    assert len(got["tokens"]) > min_tokens and got["tokens"] == free["tokens"][:len(got["tokens"])]
+    if cut < 0:
+        assert got["final"].finish_reason is FinishReason.LENGTH and got["text"] == full
+    else:
+        assert got["final"].finish_reason is FinishReason.STOP_STRING and got["text"] == full[:cut]

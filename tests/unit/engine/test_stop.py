@@ -100,3 +100,16 @@ def test_result_does_not_depend_on_how_the_text_is_split(stops, text):
         m = StopStringMatcher(stops)
         emitted = "".join(feed(m, [text[i : i + size] for i in range(0, len(text), size)])) + m.flush()
         assert (emitted, m.matched) == (expected_emitted, whole.matched)
+
+
+def test_text_fed_unchecked_never_ends_the_output_but_can_start_a_stop_string():
+    """min_tokens (vLLM's rule): no stop string may end in the text of the first min_tokens
+    tokens; one that starts there and ends after them does stop, cut at its start."""
+    m = StopStringMatcher(["ab"])
+    assert m.feed("xab", check=False) == ("xab", None)  # a whole match inside: plain text
+    assert m.feed("a", check=False) == ("", None)  # a possible beginning is held back as usual
+    assert m.feed("b") == ("", "ab")  # completes after the boundary: stops, cut at its start
+    assert m.text == "xab"
+    m = StopStringMatcher(["ab"])
+    assert feed(m, ["xa"]) == ["x"] and m.feed("b", check=False) == ("ab", None)
+    assert m.feed("cab") == ("c", "ab") and m.text == "xabc"
