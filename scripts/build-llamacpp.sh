@@ -24,6 +24,12 @@ SERVER="$CACHE/bin/llama-server"
 
 # The same flags for both parts: native ISA, AMX off, no network features, CPU only.
 GGML_FLAGS=(-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+# GGML_AMX_*=OFF alone does not keep AMX out on a CPU that has it: -march=native defines
+# __AMX_INT8__, and ggml's CPU backend compiles its AMX path from that macro (the path that
+# segfaults). Explicit -mno-amx-* win over -march=native in GCC and Clang whatever their order, so
+# the compilers get them through CFLAGS/CXXFLAGS (CMake's initial C/C++ flags).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
 
 log() { echo "[build-llamacpp] $*" >&2; }
 
@@ -62,6 +68,7 @@ if [ -x "$SERVER" ] && [ "${FORCE:-0}" != 1 ]; then
 else
     log "building llama-server from $SRC/vendor/llama.cpp (-j$JOBS, native, no AMX)"
     start=$(date +%s)
+    rm -rf "$BUILD"   # a fresh configure, so CMake takes this run's CFLAGS/CXXFLAGS
     cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${GGML_FLAGS[@]}" \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
