@@ -60,10 +60,14 @@ case "${1:-}" in
     setup test
     # Debian packages some tests use, installed when missing and running as root; without one,
     # its tests skip and say why. redis-server: the shared Redis tier is tested against a real one.
-    # docker-compose (v1): validates compose/docker-compose.yml offline (`config -q`, no engine).
+    # docker-compose (v1): validates compose/docker-compose.yml offline (`config -q`, no engine),
+    # and brings Debian's Docker engine, on which tests/compose/test_compose_stack.py runs the stack.
+    # debootstrap: that test builds its base image from Debian packages when the public image
+    # registry is unreachable (scripts/build-base-image.sh).
     missing=()
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
     command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+    command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
     if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
       apt-get update -qq >/dev/null 2>&1 || true
       for pkg in "${missing[@]}"; do  # one at a time: a package that fails leaves the others
