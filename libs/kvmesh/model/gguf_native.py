@@ -61,6 +61,10 @@ KERNEL_TYPES = frozenset({0, 1, 2, 3, 8, 12, 14})
 """ggml type ids (gguf.GGMLQuantizationType) the kernels take: F32, F16, Q4_0, Q4_1, Q8_0, Q4_K,
 Q6_K (F32/F16 on the plain path)."""
 
+REPACKED_Q4 = 1000
+"""The kernels' own type id (not ggml's) of 4-bit rows repacked by ``gguf_repack`` (Q4_0, Q4_1 and
+Q4_K: the same codes, and per 32 weights an fp32 scale and offset; the same weights bit for bit)."""
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <omp.h>
@@ -74,7 +78,8 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14,
+       T_Q4X = 1000 };  // T_Q4X: kvmesh's repacked 4-bit rows (gguf_repack), not a ggml type
 
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -96,10 +101,24 @@ static inline float half_to_float(uint16_t h) {
 static inline float fp16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return half_to_float(h); }
 
 static int64_t block_elems(int64_t t) { return t == T_F32 || t == T_F16 ? 1 : (t == T_Q4_K || t == T_Q6_K ? 256 : 32); }
+
+// A T_Q4X row of K weights (nblk = K / 32 sub-blocks of 32, each weight fma(code, scale, offset)
+// of its sub-block): first the 4-bit codes, 64 bytes per quad of sub-blocks, where nibble j of
+// dword i (byte 4 i + j / 2, low nibble for even j) is the code of weight 16 j + i of the quad; a
+// last quad of n < 4 sub-blocks keeps only bytes s < n of each dword (16 bytes for n = 1, 32 for
+// n = 2, all 64 for n = 3). Then nblk fp32 scales, then nblk fp32 offsets.
+static int64_t q4x_code_bytes(int64_t nblk) {
+  const int64_t n = nblk % 4;
+  return nblk / 4 * 64 + (n == 0 ? 0 : n == 1 ? 16 : n == 2 ? 32 : 64);
+}
 static int64_t block_bytes(int64_t t) {
   switch (t) { case T_F32: return 4; case T_F16: return 2; case T_Q4_0: return 18; case T_Q4_1: return 20;
                case T_Q8_0: return 34; case T_Q4_K: return 144; case T_Q6_K: return 210; }
   return 0;
+}
+static int64_t row_bytes(int64_t t, int64_t K) {
+  if (t == T_Q4X) return q4x_code_bytes(K / 32) + K / 32 * 8;
+  return K / block_elems(t) * block_bytes(t);
 }
 
 // Q4_K's packed 6-bit scales and mins of sub-block j (ggml's get_scale_min_k4).
@@ -237,6 +256,35 @@ __attribute__((always_inline)) static inline void decode_row(const uint8_t* r, i
       if (b < K / 32) block(r + b * 20, b * 32, Slot<0>{}, Slot<1>{});
       break;
     }
+    case T_Q4X: {
+      // A quad's codes in one 512-bit v: sub-block b's low 16 codes are the low nibbles of byte b
+      // of each dword, its high 16 the high nibbles; vpermps reads only the low 4 bits of each
+      // index, so a byte shift within the 128-bit lanes (vpsrldq, port 5) brings byte b down, and
+      // one dword shift (port 0) the high nibbles: no masking, and the FMA port keeps the FMAs.
+      const __m512 codes = iota16();
+      const int64_t nblk = K / 32, G = nblk / 4, rest = nblk % 4;
+      const float* scl = (const float*)(r + q4x_code_bytes(nblk));
+      const float* off = scl + nblk;
+      auto quad = [&](__m512i v, int64_t j0, int n) __attribute__((always_inline)) {
+        const __m512i h = _mm512_srli_epi32(v, 4);
+        auto sub = [&](auto s0, auto s1, __m512i lo, __m512i hi, int b) __attribute__((always_inline)) {
+          // the sub-block's 16 possible weights: fma(q, scale, offset), dequant_row's bits
+          const __m512 tbl = _mm512_fmadd_ps(codes, _mm512_set1_ps(scl[j0 + b]), _mm512_set1_ps(off[j0 + b]));
+          emit(s0, 32 * (j0 + b), _mm512_permutexvar_ps(lo, tbl));
+          emit(s1, 32 * (j0 + b) + 16, _mm512_permutexvar_ps(hi, tbl));
+        };
+        sub(Slot<0>{}, Slot<1>{}, v, h, 0);
+        if (n > 1) sub(Slot<2>{}, Slot<3>{}, _mm512_bsrli_epi128(v, 1), _mm512_bsrli_epi128(h, 1), 1);
+        if (n > 2) sub(Slot<0>{}, Slot<1>{}, _mm512_bsrli_epi128(v, 2), _mm512_bsrli_epi128(h, 2), 2);
+        if (n > 3) sub(Slot<2>{}, Slot<3>{}, _mm512_bsrli_epi128(v, 3), _mm512_bsrli_epi128(h, 3), 3);
+      };
+      for (int64_t g = 0; g < G; ++g) quad(_mm512_loadu_si512(r + 64 * g), 4 * g, 4);
+      const uint8_t* tail = r + 64 * G;
+      if (rest == 1) quad(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)tail)), 4 * G, 1);
+      else if (rest == 2) quad(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)tail)), 4 * G, 2);
+      else if (rest == 3) quad(_mm512_loadu_si512(tail), 4 * G, 3);
+      break;
+    }
     case T_Q8_0: {
       auto block = [&](const uint8_t* p, int64_t k0, auto s0, auto s1) {
         const __m512 d = bcast_half(p);
@@ -318,7 +366,7 @@ static void row_dot(const uint8_t* r, int64_t t, int64_t K, const float* x, floa
 
 static bool fast_type(int64_t t) {
 #if defined(__AVX512F__)
-  return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K;
+  return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q4_K || t == T_Q6_K || t == T_Q4X;
 #else
   return false;
 #endif
@@ -405,8 +453,8 @@ static void mm_rows(const float* x, int64_t M, const Lin& L, float* y, int64_t l
 
 static void check_part(const torch::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "gguf: blocks must be uint8 [N, row_bytes] contiguous");
-  TORCH_CHECK(block_bytes(t) > 0, "gguf: unsupported ggml type ", t);
-  TORCH_CHECK(K % block_elems(t) == 0 && w.size(1) == K / block_elems(t) * block_bytes(t),
+  TORCH_CHECK(t == T_Q4X ? fast_type(t) : block_bytes(t) > 0, "gguf: unsupported ggml type ", t);
+  TORCH_CHECK(K % block_elems(t) == 0 && w.size(1) == row_bytes(t, K),
               "gguf: rows of ", w.size(1), " bytes do not hold K = ", K, " weights of ggml type ", t);
 }
 
@@ -457,6 +505,58 @@ static void dequant_rows(const uint8_t* bp, int64_t rb, int64_t t, int64_t K, in
 #endif
     dequant_row(bp + n * rb, t, K, o);
   }
+}
+
+// One row of Q4_0, Q4_1 or Q4_K blocks -> its T_Q4X row (layout at q4x_code_bytes): the same
+// codes, and per sub-block of 32 the scale and offset whose fma(code, scale, offset) is the
+// weight dequant_row writes (Q4_0: d, -8 d; Q4_1: d, m; Q4_K: d * sc, -(dmin * m) -- every one
+// exact in fp32, so the weights are the same bits).
+static void repack_row(const uint8_t* r, int64_t t, int64_t K, uint8_t* out) {
+  const int64_t nblk = K / 32, rest = nblk % 4;
+  const int64_t full = nblk / 4 * 4;
+  float* scl = (float*)(out + q4x_code_bytes(nblk));  // 4-aligned: code bytes are a multiple of 16
+  float* off = scl + nblk;
+  std::memset(out, 0, q4x_code_bytes(nblk));
+  uint8_t codes[32];
+  for (int64_t j = 0; j < nblk; ++j) {
+    if (t == T_Q4_0 || t == T_Q4_1) {
+      const uint8_t* p = r + j * (t == T_Q4_0 ? 18 : 20);
+      const uint8_t* qs = p + (t == T_Q4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) { codes[i] = qs[i] & 15; codes[i + 16] = qs[i] >> 4; }
+      const float d = fp16_at(p);
+      scl[j] = d;
+      off[j] = t == T_Q4_0 ? -8.f * d : fp16_at(p + 2);
+    } else {  // T_Q4_K: sub-block j = 8 b + 2 c + h of super-block b
+      const uint8_t* p = r + (j / 8) * 144;
+      const int c = (int)(j % 8) / 2, h = (int)(j % 2);
+      uint8_t sc, mn;
+      q4k_scale_min((int)(j % 8), p + 4, &sc, &mn);
+      for (int l = 0; l < 32; ++l) codes[l] = h ? p[16 + 32 * c + l] >> 4 : p[16 + 32 * c + l] & 15;
+      scl[j] = fp16_at(p) * (float)sc;
+      off[j] = -(fp16_at(p + 2) * (float)mn);
+    }
+    // weight w of sub-block s of a quad is code 32 s + w of the quad: nibble j2 = 2 s + w / 16 of
+    // lane i = w % 16, i.e. byte s of the lane, high nibble for w >= 16
+    const int64_t quad = j / 4, s = j % 4;
+    const int64_t lane_bytes = j < full ? 4 : (rest == 1 ? 1 : rest == 2 ? 2 : 4);
+    uint8_t* q = out + 64 * quad;
+    for (int w = 0; w < 32; ++w) q[(w % 16) * lane_bytes + s] |= (uint8_t)(codes[w] << (w < 16 ? 0 : 4));
+  }
+}
+
+// blocks [N, row bytes] of ggml type t (Q4_0, Q4_1 or Q4_K) -> [N, T_Q4X row bytes], the same
+// weights in the layout decode_row reads fastest; an empty tensor where this build has no T_Q4X
+// kernel (no AVX-512) or t is another type.
+torch::Tensor gguf_repack(torch::Tensor blocks, int64_t t, int64_t K) {
+  if (!fast_type(T_Q4X) || (t != T_Q4_0 && t != T_Q4_1 && t != T_Q4_K)) return torch::empty({0}, torch::kUInt8);
+  check_part(blocks, t, K);
+  const int64_t N = blocks.size(0), rb = blocks.size(1), ob = row_bytes(T_Q4X, K);
+  auto out = torch::empty({N, ob}, torch::TensorOptions().dtype(torch::kUInt8));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  #pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) repack_row(bp + n * rb, t, K, op + n * ob);
+  return out;
 }
 
 torch::Tensor gguf_dequant(torch::Tensor blocks, int64_t t, int64_t K) {
@@ -516,7 +616,7 @@ def _build():
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     # -ffp-contract=off: no fused multiply-adds the source does not write (dequantize is bit-exact)
-    return load_inline(name="kvmesh_gguf", cpp_sources=[_SOURCE], functions=["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode"],
+    return load_inline(name="kvmesh_gguf", cpp_sources=[_SOURCE], functions=["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode", "gguf_repack"],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 

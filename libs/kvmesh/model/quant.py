@@ -48,11 +48,13 @@ everywhere, only slower or larger.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.model.gguf_native import KERNEL_TYPES, gguf_ops
+from kvmesh.model.gguf_native import KERNEL_TYPES, REPACKED_Q4, gguf_ops
 from kvmesh.model.native import w8a8_ops
 
 # Rows at or below which the packed kernel beats dequantize + dense matmul, measured over all 210
@@ -357,6 +359,11 @@ class GGUFLinear(nn.Module):
         self._bias = self.bias  # plain attributes: a buffer lookup costs a __getattr__ per call
         if self._ops is not None:
             self._blocks = [rows.contiguous() for _, rows in parts]
+            if os.environ.get("KVMESH_GGUF_REPACK", "1") != "0":  # 4-bit rows in the kernels' own layout
+                for i, (t, rows) in enumerate(zip(self.types, self._blocks)):
+                    packed = self._ops.gguf_repack(rows, t, in_features)
+                    if packed.numel():
+                        self._blocks[i], self._type_list[i] = packed, REPACKED_Q4
             for i, rows in enumerate(self._blocks):
                 self.register_buffer(f"blocks{i}", rows)
             self.register_buffer("weight", None)
@@ -375,7 +382,7 @@ class GGUFLinear(nn.Module):
         """The fp32 weight the file stores, [out_features, in_features] (gguf-py's exact bits)."""
         if self._ops is None:
             return self.weight
-        return torch.cat([self._ops.gguf_dequant(b, t, self.in_features) for b, t in zip(self._blocks, self.types)])
+        return torch.cat([self._ops.gguf_dequant(b, t, self.in_features) for b, t in zip(self._blocks, self._type_list)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
@@ -467,7 +474,7 @@ class GGUFDecode:
         for layer in model.model.layers:
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 self.blocks += lin._blocks
-                self.types += list(lin.types)
+                self.types += lin._type_list  # the kernels' types (4-bit parts repacked)
                 self.nparts.append(len(lin._blocks))
                 self.biases.append(empty if lin._bias is None else lin._bias.contiguous())
             self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]

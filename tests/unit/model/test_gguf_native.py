@@ -111,6 +111,32 @@ def test_matmul_equals_the_dequantized_weights_up_to_rounding(qtype, n, k):
         assert torch.equal(alone, got), (qtype, m)
 
 
+# every tail a row of 32-weight blocks can have past its quads of four (K / 32 % 4 = 0, 1, 2, 3)
+REPACK_CASES = [(T.Q4_0, 7, 96), (T.Q4_0, 9, 576), (T.Q4_1, 5, 32), (T.Q4_1, 6, 64), (T.Q4_1, 7, 96),
+                (T.Q4_1, 8, 128), (T.Q4_1, 40, 576), (T.Q4_1, 33, 1536), (T.Q4_K, 11, 256), (T.Q4_K, 13, 1536)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype, n, k", REPACK_CASES)
+def test_repacked_rows_are_the_same_weights_and_the_same_sums(qtype, n, k):
+    """gguf_repack's layout holds the file's weights bit for bit, and every matmul path over it
+    gives the bits the file's own blocks give (same products, same summation order)."""
+    blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 6)))
+    packed = ops.gguf_repack(blocks, int(qtype), k)
+    if packed.numel() == 0:
+        pytest.skip("no repacked kernel in this build (no AVX-512)")
+    rq = gguf_native.REPACKED_Q4
+    assert packed.shape[0] == n and packed.dtype == torch.uint8
+    assert torch.equal(ops.gguf_dequant(packed, rq, k), ops.gguf_dequant(blocks, int(qtype), k))
+    torch.manual_seed(7)
+    for m in (1, 2, 4, 5, 13):
+        x = torch.randn(m, k)
+        assert torch.equal(ops.gguf_mm(x, [packed], [rq]), ops.gguf_mm(x, [blocks], [int(qtype)])), m
+    assert ops.gguf_repack(torch.from_numpy(blocks_of(T.Q8_0, _weights(n, k, 6))), int(T.Q8_0), k).numel() == 0
+    with pytest.raises(RuntimeError, match="do not hold"):
+        ops.gguf_mm(torch.randn(1, k), [packed[:, :-4].contiguous()], [rq])
+
+
 @needs_kernels
 def test_parts_of_different_types_are_one_matmul():
     """A fused projection whose parts the file holds in different types (Q4_K_M's attn_v in Q6_K)."""
