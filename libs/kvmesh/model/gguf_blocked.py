@@ -108,6 +108,7 @@ static void mm_rows_blocked(const float* x, int64_t M, const Lin& L, float* y, i
       dots.resize(M * nt);
       for (int64_t i = 0; i < nt; ++i) {
         const uint8_t* row = L.base[p] + (s0 + i - L.first[p]) * L.stride[p];
+        prefetch_ahead(row, s0 + i - L.first[p], L.first[p + 1] - L.first[p], L.stride[p]);
         float* out = wbuf.data() + i * K;
         decode_row(row, tp, K, [&](auto, int64_t k0, __m512 w) { _mm512_storeu_ps(out + k0, w); });
       }

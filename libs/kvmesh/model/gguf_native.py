@@ -390,6 +390,20 @@ static void row_dot_plain(const uint8_t* r, int64_t t, int64_t K, const float* x
   }
 }
 
+// Software prefetch of the weight row PREFETCH_BYTES ahead of row i (of a part's `rows` rows of
+// `stride` bytes) into L1. Measured over SmolLM2-135M's decode step at 2 threads on a Xeon
+// (weights from L3, ~110 MB a token): the decoder's matmuls 7.5 -> ~5 ms and the output
+// projection 2.1 -> ~1.2 ms. Without it a row's blocks arrive one L3 latency at a time: the
+// kernel is compute-heavy, so few loads are in flight, and the hardware prefetcher does not
+// run far enough ahead (a plain read of the same bytes runs at ~45 GB/s, the kernel ran at ~12).
+constexpr int64_t PREFETCH_BYTES = 4096;
+static inline void prefetch_ahead(const uint8_t* row, int64_t i, int64_t rows, int64_t stride) {
+  const int64_t ahead = (PREFETCH_BYTES + stride - 1) / stride;
+  if (i + ahead >= rows) return;
+  const char* q = (const char*)(row + ahead * stride);
+  for (int64_t o = 0; o < stride; o += 64) __builtin_prefetch(q + o, 0, 3);
+}
+
 // One linear's weights as the kernels walk them: parts stacked along the output rows.
 struct Lin {
   int64_t K = 0, N = 0;
@@ -426,6 +440,7 @@ static void mm_rows(const float* x, int64_t M, const Lin& L, float* y, int64_t l
     while (L.first[p + 1] <= n) ++p;
     const uint8_t* row = L.base[p] + (n - L.first[p]) * L.stride[p];
     const int64_t t = L.type[p];
+    prefetch_ahead(row, n - L.first[p], L.first[p + 1] - L.first[p], L.stride[p]);
     float dots[MAX_ROWS];
     if (!fast_type(t)) {
       row_dot_plain(row, t, K, x, M, dots);
