@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.model.bundled import default_cache_dir
+from kvmesh.model.gguf_amx import AMX_SOURCE
 from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
 from kvmesh.model.native import _cpu_flags, build_per_mode
@@ -417,6 +418,7 @@ constexpr int64_t MAX_ROWS = 64;  // rows of x one mm_rows call takes
 """
 
 _SOURCE += BLOCKED_SOURCE  # the batched path, kvmesh.model.gguf_blocked (uses decode_row, Lin)
+_SOURCE += AMX_SOURCE  # the prefill path on AMX, kvmesh.model.gguf_amx (uses q4x_code_bytes)
 
 _SOURCE += r"""
 
@@ -574,6 +576,15 @@ torch::Tensor gguf_repack(torch::Tensor blocks, int64_t t, int64_t K) {
   return out;
 }
 
+// Whether many-row matmuls over repacked parts run on AMX here (kvmesh.model.gguf_amx).
+bool gguf_amx() {
+#if defined(KVMESH_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 torch::Tensor gguf_dequant(torch::Tensor blocks, int64_t t, int64_t K) {
   check_part(blocks, t, K);
   const int64_t N = blocks.size(0);
@@ -595,9 +606,28 @@ torch::Tensor gguf_mm_tiled(torch::Tensor x, std::vector<torch::Tensor> parts, s
   const int64_t tile = std::max<int64_t>(16, (tile_floats / K) / 16 * 16);
   auto buf = torch::empty({tile, K}, x.options());
   auto y = torch::empty({M, N}, x.options());
+#if defined(KVMESH_AMX)
+  // repacked 4-bit parts on the tile unit, exact (kvmesh.model.gguf_amx); x split once for all
+  std::vector<uint16_t> pieces;
+  std::vector<float> sums;
+  const int64_t Mp = (M + 31) / 32 * 32;
+#endif
   int64_t off = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const int64_t Ni = parts[i].size(0);
+#if defined(KVMESH_AMX)
+    if (types[i] == T_Q4X && M >= 32 && amx_ready()) {
+      if (pieces.empty()) {
+        pieces.resize(3 * Mp * K);
+        sums.resize(Mp * (K / 32));
+        split_x(x.data_ptr<float>(), M, Mp, K, pieces.data(), sums.data());
+      }
+      amx_q4x(pieces.data(), sums.data(), M, Mp, K, parts[i].data_ptr<uint8_t>(), parts[i].size(1), Ni,
+              y.data_ptr<float>() + off, N);
+      off += Ni;
+      continue;
+    }
+#endif
     for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
       const int64_t nt = std::min(tile, Ni - n0);
       dequant_rows(parts[i].data_ptr<uint8_t>(), parts[i].size(1), types[i], K, n0, nt, buf.data_ptr<float>());
@@ -631,7 +661,7 @@ def _build():
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     # -ffp-contract=off: no fused multiply-adds the source does not write (dequantize is bit-exact)
-    return load_inline(name="kvmesh_gguf", cpp_sources=[_SOURCE], functions=["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode", "gguf_repack"],
+    return load_inline(name="kvmesh_gguf", cpp_sources=[_SOURCE], functions=["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode", "gguf_repack", "gguf_amx"],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 

@@ -138,6 +138,29 @@ def test_repacked_rows_are_the_same_weights_and_the_same_sums(qtype, n, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype, n, k", [(T.Q4_0, 40, 96), (T.Q4_1, 70, 576), (T.Q4_1, 33, 1536), (T.Q4_K, 65, 512)])
+def test_prefill_over_repacked_rows_is_exact_up_to_rounding(qtype, n, k):
+    """Many rows of x over repacked 4-bit parts (the AMX path where the CPU has one: x split into
+    three bf16 pieces, codes times pieces summed per block, then scale and offset in fp32) equal
+    the dequantized weights' matmul within float rounding -- not bf16's -- at row counts that
+    fill the tiles and that do not, next to a part the tiles do not take (Q8_0)."""
+    blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 8)))
+    packed = ops.gguf_repack(blocks, int(qtype), k)
+    if packed.numel() == 0:
+        pytest.skip("no repacked kernel in this build (no AVX-512)")
+    q8 = torch.from_numpy(blocks_of(T.Q8_0, _weights(24, k, 9)))
+    w = torch.cat([ops.gguf_dequant(blocks, int(qtype), k), ops.gguf_dequant(q8, int(T.Q8_0), k)]).double()
+    torch.manual_seed(10)
+    for m in (32, 33, 70, 130):
+        x = torch.randn(m, k) * torch.logspace(-3, 2, k)  # magnitudes across five decades
+        got = ops.gguf_mm_tiled(x, [packed, q8], [gguf_native.REPACKED_Q4, int(T.Q8_0)], 4096)
+        want = x.double() @ w.T
+        bound = (x.double().abs() @ w.abs().T) * 2e-6  # fp32 rounding; bf16 activations miss it by ~1000x
+        assert got.shape == (m, n + 24)
+        assert bool(((got.double() - want).abs() <= bound + 1e-30).all()), m
+
+
+@needs_kernels
 def test_parts_of_different_types_are_one_matmul():
     """A fused projection whose parts the file holds in different types (Q4_K_M's attn_v in Q6_K)."""
     w1, w2, w3 = _weights(24, 512, 3), _weights(16, 512, 4), _weights(8, 512, 5)
