@@ -15,20 +15,25 @@ order (4 FMA chains per row, fixed by the position in the row, so a row's result
 bits whatever M -- a draft-verify step computes each row as a plain decode step would).
 Activations stay fp32: nothing is quantized at run time (llama.cpp rounds them to 8 bits).
 
-NOTE (measured bound, one core, weights in L2). A block of 32 weights costs ~6.5 cycles in long
-rows (~7.5 at K = 576) for Q4_1 and Q8_0 alike: near this core's issue rate for 512-bit ops
-(one FMA, vpermps or vcvtdq2ps per cycle, ~1.5 mixed). Three exact alternatives were measured
-and dropped: a repacked layout (scales apart, 4 blocks' codes per 64-byte load: no byte-to-lane
-shuffle or scale broadcast per block) gave the same bits and no speed; codes through vcvtdq2ps
-and one FMA each instead of the table was slower; two weight rows per pass sharing the x loads
-gave nothing.
+NOTE (the repacked layout). At load, Q4_0, Q4_1 and Q4_K rows are rewritten (``gguf_repack``,
+type ``REPACKED_Q4``) into a layout that holds the same codes and, per 32 weights, an fp32 scale
+and offset whose fma(code, scale, offset) is the dequantized weight, bit for bit (for Q4_0 the
+offset is -8 d; for Q4_K d * sc and -(dmin * m), all exact in fp32). Four blocks' codes share one
+64-byte load arranged so that block b's indices come out of it by a byte shift within 128-bit
+lanes (port 5) and its high nibbles by one dword shift (port 0); the table per block comes from
+two broadcast loads and one FMA. The old per-block path -- fp16 scale conversion, broadcasts and a
+byte-to-dword widening, all on port 5 of an Intel core -- ran ~7 cycles a block; this one ~4.5
+(one core, L2: 1.9 -> 1.4 ns a block). Same products, same summation slots: the same bits as
+the file's own blocks (tested), at 20% more bytes (24 per 32 weights instead of 20).
 
-NOTE (speed). A decode step (1-8 rows) streams ~70 MB of Q4_1 decoder weights plus ~30 MB of
-the Q8_0 output projection for SmolLM2-135M, a quarter of the fp32 bytes. With fp32 activations
-it is compute-bound on this CPU rather than bound by memory (one core: ~7 ms for the 66 MB of
-Q4_1 whether the blocks come from DRAM or L2; a read-only pass over 100 MB takes ~3.3 ms): per
-block of 32, a 16-entry table of the block's weights (one FMA: d*q + m for q = 0..15) indexed
-by the nibbles (vpermps), then one FMA per 16 weights per row. Rows of x are taken 4 at a time
+NOTE (speed). A decode step (1-8 rows) streams ~80 MB of repacked decoder weights plus ~30 MB of
+the Q8_0 output projection for SmolLM2-135M, about a quarter of the fp32 bytes: per block of 32,
+a 16-entry table of the block's weights (one FMA: d*q + m for q = 0..15) indexed by the nibbles
+(vpermps), then one FMA per 16 weights per row. On a 2-core Xeon the step is neither at the
+compute bound (~3.5 ms with the weights in L2) nor at the read bound (~2.3 ms for 110 MB from
+L3) but was at their sum and more (~9 ms): each row's blocks arrived one L3 latency at a time.
+Rows are therefore prefetched 4 KB ahead (``prefetch_ahead``): ~9 -> ~6 ms a step.
+Rows of x are taken 4 at a time
 so each weight row is read from DRAM once per call whatever M. Rows are split over the calling
 thread's OpenMP team (as kvmesh.model.native). Past 4 rows the weights are decoded once into a
 buffer instead (kvmesh.model.gguf_blocked), with the same bits. Without AVX-512 each row is dequantized into a
@@ -36,7 +41,9 @@ buffer and dotted in plain C++: same numbers up to rounding, slower. Many rows (
 compute-bound on the matmul itself: ``gguf_mm_tiled`` dequantizes a cache-sized tile of weight
 rows at a time and multiplies each tile with torch's dense matmul, never holding the fp32
 weights whole (measured at 2 threads: ~15% slower than fp32 weights at 512 rows, where the
-dequantization is extra work; MKL's outer-product kernel beats the 4-chain dot order there). Build, cache and KVMESH_NATIVE semantics are
+dequantization is extra work; MKL's outer-product kernel beats the 4-chain dot order there);
+where the CPU has AMX, repacked parts go to the tile unit instead, exactly (kvmesh.model.gguf_amx).
+Build, cache and KVMESH_NATIVE semantics are
 kvmesh.model.native's (one function applies them to both extensions).
 The fused decode step (``gguf_decode``) is compiled into the same extension; its source and
 NOTE are kvmesh.model.gguf_decode's.
