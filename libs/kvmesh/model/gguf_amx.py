@@ -1,7 +1,9 @@
-"""The GGUF kernels' prefill path on AMX (C++ source composed into kvmesh.model.gguf_native's
-extension after the per-row and blocked kernels, whose ``q4x_code_bytes`` and ``Lin`` it uses):
-``gguf_mm_tiled`` runs each repacked 4-bit part (``T_Q4X``) of a matmul of many rows here when
-the CPU has AMX-BF16 and Linux grants the process its tile state.
+"""The GGUF kernels' prefill path, ``gguf_mm_tiled`` (C++ source composed into
+kvmesh.model.gguf_native's extension after its kernels, whose ``q4x_code_bytes``,
+``check_part`` and ``dequant_rows`` it uses): a matmul of many rows, part by part, either a
+cache-sized tile of dequantized weights at a time through torch's dense matmul (see
+gguf_native's NOTE), or -- a repacked 4-bit part (``T_Q4X``) where the CPU has AMX-BF16 and
+Linux grants the process its tile state -- on the tile unit, exactly, as below.
 
 NOTE (exact, not bf16). A weight of a ``T_Q4X`` row is ``code * scale + offset`` for its block of
 32, the code an integer 0..15 -- exact in bf16. Each activation x is split into three bf16 numbers
@@ -196,4 +198,60 @@ static void amx_q4x(const uint16_t* pieces, const float* S, int64_t M, int64_t M
   }
 }
 #endif
+
+// Whether many-row matmuls over repacked parts run on AMX here (kvmesh.model.gguf_amx).
+bool gguf_amx() {
+#if defined(KVMESH_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] fp32 @ (parts dequantized).T for many rows (prefill): the weights are dequantized
+// tile_floats at a time (rows of a part) into a buffer that stays in cache, and each tile is one
+// dense matmul (torch's, i.e. MKL) -- the fp32 weights never go to memory whole. Returns y [M, sum N_i].
+torch::Tensor gguf_mm_tiled(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
+                            int64_t tile_floats) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "gguf_mm_tiled: x must be [M, K] fp32 contiguous");
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "gguf_mm_tiled: one type per part");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t N = 0;
+  for (size_t i = 0; i < parts.size(); ++i) { check_part(parts[i], types[i], K); N += parts[i].size(0); }
+  const int64_t tile = std::max<int64_t>(16, (tile_floats / K) / 16 * 16);
+  auto buf = torch::empty({tile, K}, x.options());
+  auto y = torch::empty({M, N}, x.options());
+#if defined(KVMESH_AMX)
+  // repacked 4-bit parts on the tile unit, exact (kvmesh.model.gguf_amx); x split once for all
+  std::vector<uint16_t> pieces;
+  std::vector<float> sums;
+  const int64_t Mp = (M + 31) / 32 * 32;
+#endif
+  int64_t off = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t Ni = parts[i].size(0);
+#if defined(KVMESH_AMX)
+    if (types[i] == T_Q4X && M >= 32 && amx_ready()) {
+      if (pieces.empty()) {
+        pieces.resize(3 * Mp * K);
+        sums.resize(Mp * (K / 32));
+        split_x(x.data_ptr<float>(), M, Mp, K, pieces.data(), sums.data());
+      }
+      amx_q4x(pieces.data(), sums.data(), M, Mp, K, parts[i].data_ptr<uint8_t>(), parts[i].size(1), Ni,
+              y.data_ptr<float>() + off, N);
+      off += Ni;
+      continue;
+    }
+#endif
+    for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
+      const int64_t nt = std::min(tile, Ni - n0);
+      dequant_rows(parts[i].data_ptr<uint8_t>(), parts[i].size(1), types[i], K, n0, nt, buf.data_ptr<float>());
+      // the tile's columns of y in place (a strided output BLAS writes directly): no transpose after
+      auto out = y.narrow(1, off + n0, nt);
+      at::mm_out(out, x, buf.narrow(0, 0, nt).t());
+    }
+    off += Ni;
+  }
+  return y;
+}
 """

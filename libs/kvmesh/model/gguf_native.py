@@ -15,16 +15,7 @@ order (4 FMA chains per row, fixed by the position in the row, so a row's result
 bits whatever M -- a draft-verify step computes each row as a plain decode step would).
 Activations stay fp32: nothing is quantized at run time (llama.cpp rounds them to 8 bits).
 
-NOTE (the repacked layout). At load, Q4_0, Q4_1 and Q4_K rows are rewritten (``gguf_repack``,
-type ``REPACKED_Q4``) into a layout that holds the same codes and, per 32 weights, an fp32 scale
-and offset whose fma(code, scale, offset) is the dequantized weight, bit for bit (for Q4_0 the
-offset is -8 d; for Q4_K d * sc and -(dmin * m), all exact in fp32). Four blocks' codes share one
-64-byte load arranged so that block b's indices come out of it by a byte shift within 128-bit
-lanes (port 5) and its high nibbles by one dword shift (port 0); the table per block comes from
-two broadcast loads and one FMA. The old per-block path -- fp16 scale conversion, broadcasts and a
-byte-to-dword widening, all on port 5 of an Intel core -- ran ~7 cycles a block; this one ~4.5
-(one core, L2: 1.9 -> 1.4 ns a block). Same products, same summation slots: the same bits as
-the file's own blocks (tested), at 20% more bytes (24 per 32 weights instead of 20).
+NOTE (the repacked layout): kvmesh.model.gguf_repack.
 
 NOTE (speed). A decode step (1-8 rows) streams ~80 MB of repacked decoder weights plus ~30 MB of
 the Q8_0 output projection for SmolLM2-135M, about a quarter of the fp32 bytes: per block of 32,
@@ -61,6 +52,7 @@ from kvmesh.model.bundled import default_cache_dir
 from kvmesh.model.gguf_amx import AMX_SOURCE
 from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
+from kvmesh.model.gguf_repack import REPACK_SOURCE, REPACKED_Q4  # noqa: F401 (REPACKED_Q4 re-exported)
 from kvmesh.model.native import _cpu_flags, build_per_mode
 
 log = logging.getLogger(__name__)
@@ -69,9 +61,6 @@ KERNEL_TYPES = frozenset({0, 1, 2, 3, 8, 12, 14})
 """ggml type ids (gguf.GGMLQuantizationType) the kernels take: F32, F16, Q4_0, Q4_1, Q8_0, Q4_K,
 Q6_K (F32/F16 on the plain path)."""
 
-REPACKED_Q4 = 1000
-"""The kernels' own type id (not ggml's) of 4-bit rows repacked by ``gguf_repack`` (Q4_0, Q4_1 and
-Q4_K: the same codes, and per 32 weights an fp32 scale and offset; the same weights bit for bit)."""
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -425,7 +414,6 @@ constexpr int64_t MAX_ROWS = 64;  // rows of x one mm_rows call takes
 """
 
 _SOURCE += BLOCKED_SOURCE  # the batched path, kvmesh.model.gguf_blocked (uses decode_row, Lin)
-_SOURCE += AMX_SOURCE  # the prefill path on AMX, kvmesh.model.gguf_amx (uses q4x_code_bytes)
 
 _SOURCE += r"""
 
@@ -531,67 +519,6 @@ static void dequant_rows(const uint8_t* bp, int64_t rb, int64_t t, int64_t K, in
   }
 }
 
-// One row of Q4_0, Q4_1 or Q4_K blocks -> its T_Q4X row (layout at q4x_code_bytes): the same
-// codes, and per sub-block of 32 the scale and offset whose fma(code, scale, offset) is the
-// weight dequant_row writes (Q4_0: d, -8 d; Q4_1: d, m; Q4_K: d * sc, -(dmin * m) -- every one
-// exact in fp32, so the weights are the same bits).
-static void repack_row(const uint8_t* r, int64_t t, int64_t K, uint8_t* out) {
-  const int64_t nblk = K / 32, rest = nblk % 4;
-  const int64_t full = nblk / 4 * 4;
-  float* scl = (float*)(out + q4x_code_bytes(nblk));  // 4-aligned: code bytes are a multiple of 16
-  float* off = scl + nblk;
-  std::memset(out, 0, q4x_code_bytes(nblk));
-  uint8_t codes[32];
-  for (int64_t j = 0; j < nblk; ++j) {
-    if (t == T_Q4_0 || t == T_Q4_1) {
-      const uint8_t* p = r + j * (t == T_Q4_0 ? 18 : 20);
-      const uint8_t* qs = p + (t == T_Q4_0 ? 2 : 4);
-      for (int i = 0; i < 16; ++i) { codes[i] = qs[i] & 15; codes[i + 16] = qs[i] >> 4; }
-      const float d = fp16_at(p);
-      scl[j] = d;
-      off[j] = t == T_Q4_0 ? -8.f * d : fp16_at(p + 2);
-    } else {  // T_Q4_K: sub-block j = 8 b + 2 c + h of super-block b
-      const uint8_t* p = r + (j / 8) * 144;
-      const int c = (int)(j % 8) / 2, h = (int)(j % 2);
-      uint8_t sc, mn;
-      q4k_scale_min((int)(j % 8), p + 4, &sc, &mn);
-      for (int l = 0; l < 32; ++l) codes[l] = h ? p[16 + 32 * c + l] >> 4 : p[16 + 32 * c + l] & 15;
-      scl[j] = fp16_at(p) * (float)sc;
-      off[j] = -(fp16_at(p + 2) * (float)mn);
-    }
-    // weight w of sub-block s of a quad is code 32 s + w of the quad: nibble j2 = 2 s + w / 16 of
-    // lane i = w % 16, i.e. byte s of the lane, high nibble for w >= 16
-    const int64_t quad = j / 4, s = j % 4;
-    const int64_t lane_bytes = j < full ? 4 : (rest == 1 ? 1 : rest == 2 ? 2 : 4);
-    uint8_t* q = out + 64 * quad;
-    for (int w = 0; w < 32; ++w) q[(w % 16) * lane_bytes + s] |= (uint8_t)(codes[w] << (w < 16 ? 0 : 4));
-  }
-}
-
-// blocks [N, row bytes] of ggml type t (Q4_0, Q4_1 or Q4_K) -> [N, T_Q4X row bytes], the same
-// weights in the layout decode_row reads fastest; an empty tensor where this build has no T_Q4X
-// kernel (no AVX-512) or t is another type.
-torch::Tensor gguf_repack(torch::Tensor blocks, int64_t t, int64_t K) {
-  if (!fast_type(T_Q4X) || (t != T_Q4_0 && t != T_Q4_1 && t != T_Q4_K)) return torch::empty({0}, torch::kUInt8);
-  check_part(blocks, t, K);
-  const int64_t N = blocks.size(0), rb = blocks.size(1), ob = row_bytes(T_Q4X, K);
-  auto out = torch::empty({N, ob}, torch::TensorOptions().dtype(torch::kUInt8));
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) repack_row(bp + n * rb, t, K, op + n * ob);
-  return out;
-}
-
-// Whether many-row matmuls over repacked parts run on AMX here (kvmesh.model.gguf_amx).
-bool gguf_amx() {
-#if defined(KVMESH_AMX)
-  return amx_ready();
-#else
-  return false;
-#endif
-}
-
 torch::Tensor gguf_dequant(torch::Tensor blocks, int64_t t, int64_t K) {
   check_part(blocks, t, K);
   const int64_t N = blocks.size(0);
@@ -600,55 +527,10 @@ torch::Tensor gguf_dequant(torch::Tensor blocks, int64_t t, int64_t K) {
   return out;
 }
 
-// x [M, K] fp32 @ (parts dequantized).T for many rows (prefill): the weights are dequantized
-// tile_floats at a time (rows of a part) into a buffer that stays in cache, and each tile is one
-// dense matmul (torch's, i.e. MKL) -- the fp32 weights never go to memory whole. Returns y [M, sum N_i].
-torch::Tensor gguf_mm_tiled(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
-                            int64_t tile_floats) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "gguf_mm_tiled: x must be [M, K] fp32 contiguous");
-  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "gguf_mm_tiled: one type per part");
-  const int64_t M = x.size(0), K = x.size(1);
-  int64_t N = 0;
-  for (size_t i = 0; i < parts.size(); ++i) { check_part(parts[i], types[i], K); N += parts[i].size(0); }
-  const int64_t tile = std::max<int64_t>(16, (tile_floats / K) / 16 * 16);
-  auto buf = torch::empty({tile, K}, x.options());
-  auto y = torch::empty({M, N}, x.options());
-#if defined(KVMESH_AMX)
-  // repacked 4-bit parts on the tile unit, exact (kvmesh.model.gguf_amx); x split once for all
-  std::vector<uint16_t> pieces;
-  std::vector<float> sums;
-  const int64_t Mp = (M + 31) / 32 * 32;
-#endif
-  int64_t off = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const int64_t Ni = parts[i].size(0);
-#if defined(KVMESH_AMX)
-    if (types[i] == T_Q4X && M >= 32 && amx_ready()) {
-      if (pieces.empty()) {
-        pieces.resize(3 * Mp * K);
-        sums.resize(Mp * (K / 32));
-        split_x(x.data_ptr<float>(), M, Mp, K, pieces.data(), sums.data());
-      }
-      amx_q4x(pieces.data(), sums.data(), M, Mp, K, parts[i].data_ptr<uint8_t>(), parts[i].size(1), Ni,
-              y.data_ptr<float>() + off, N);
-      off += Ni;
-      continue;
-    }
-#endif
-    for (int64_t n0 = 0; n0 < Ni; n0 += tile) {
-      const int64_t nt = std::min(tile, Ni - n0);
-      dequant_rows(parts[i].data_ptr<uint8_t>(), parts[i].size(1), types[i], K, n0, nt, buf.data_ptr<float>());
-      // the tile's columns of y in place (a strided output BLAS writes directly): no transpose after
-      auto out = y.narrow(1, off + n0, nt);
-      at::mm_out(out, x, buf.narrow(0, 0, nt).t());
-    }
-    off += Ni;
-  }
-  return y;
-}
-
 """
 
+_SOURCE += REPACK_SOURCE  # 4-bit rows into the kernels' layout at load, kvmesh.model.gguf_repack
+_SOURCE += AMX_SOURCE  # the prefill path (tiles through MKL or the tile unit), kvmesh.model.gguf_amx
 _SOURCE += DECODE_SOURCE  # one extension: the decode step calls the matmul kernels above
 
 _lock = threading.Lock()

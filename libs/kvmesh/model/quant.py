@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.model.gguf_native import KERNEL_TYPES, REPACKED_Q4, gguf_ops
+from kvmesh.model.gguf_native import KERNEL_TYPES, gguf_ops
+from kvmesh.model.gguf_repack import REPACKED_Q4
 from kvmesh.model.native import w8a8_ops
 
 # Rows at or below which the packed kernel beats dequantize + dense matmul, measured over all 210
