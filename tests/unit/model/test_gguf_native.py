@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 
 import kvmesh.model.gguf_native as gguf_native
 from kvmesh.model.gguf_native import gguf_ops
+from kvmesh.model.native import _cpu_flags
 
 ops = gguf_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="the GGUF kernels could not be built here "
@@ -111,6 +112,16 @@ def test_matmul_equals_the_dequantized_weights_up_to_rounding(qtype, n, k):
         assert torch.equal(alone, got), (qtype, m)
 
 
+def _repacked(blocks: torch.Tensor, qtype, k: int) -> torch.Tensor:
+    """gguf_repack's rows; skips only where the build cannot have the repacked kernel (no
+    AVX-512: the extension is compiled for this CPU), and fails where it should and did not."""
+    packed = ops.gguf_repack(blocks, int(qtype), k)
+    if "avx512f" not in _cpu_flags().split():
+        pytest.skip("no AVX-512 on this CPU: 4-bit rows keep the file's layout")
+    assert packed.numel() > 0, "an AVX-512 build returned no repacked rows"
+    return packed
+
+
 # every tail a row of 32-weight blocks can have past its quads of four (K / 32 % 4 = 0, 1, 2, 3)
 REPACK_CASES = [(T.Q4_0, 7, 96), (T.Q4_0, 9, 576), (T.Q4_1, 5, 32), (T.Q4_1, 6, 64), (T.Q4_1, 7, 96),
                 (T.Q4_1, 8, 128), (T.Q4_1, 40, 576), (T.Q4_1, 33, 1536), (T.Q4_K, 11, 256), (T.Q4_K, 13, 1536)]
@@ -122,9 +133,7 @@ def test_repacked_rows_are_the_same_weights_and_the_same_sums(qtype, n, k):
     """gguf_repack's layout holds the file's weights bit for bit, and every matmul path over it
     gives the bits the file's own blocks give (same products, same summation order)."""
     blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 6)))
-    packed = ops.gguf_repack(blocks, int(qtype), k)
-    if packed.numel() == 0:
-        pytest.skip("no repacked kernel in this build (no AVX-512)")
+    packed = _repacked(blocks, qtype, k)
     rq = gguf_native.REPACKED_Q4
     assert packed.shape[0] == n and packed.dtype == torch.uint8
     assert torch.equal(ops.gguf_dequant(packed, rq, k), ops.gguf_dequant(blocks, int(qtype), k))
@@ -145,9 +154,7 @@ def test_prefill_over_repacked_rows_is_exact_up_to_rounding(qtype, n, k):
     the dequantized weights' matmul within float rounding -- not bf16's -- at row counts that
     fill the tiles and that do not, next to a part the tiles do not take (Q8_0)."""
     blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 8)))
-    packed = ops.gguf_repack(blocks, int(qtype), k)
-    if packed.numel() == 0:
-        pytest.skip("no repacked kernel in this build (no AVX-512)")
+    packed = _repacked(blocks, qtype, k)
     q8 = torch.from_numpy(blocks_of(T.Q8_0, _weights(24, k, 9)))
     w = torch.cat([ops.gguf_dequant(blocks, int(qtype), k), ops.gguf_dequant(q8, int(T.Q8_0), k)]).double()
     torch.manual_seed(10)
@@ -158,6 +165,20 @@ def test_prefill_over_repacked_rows_is_exact_up_to_rounding(qtype, n, k):
         bound = (x.double().abs() @ w.abs().T) * 2e-6  # fp32 rounding; bf16 activations miss it by ~1000x
         assert got.shape == (m, n + 24)
         assert bool(((got.double() - want).abs() <= bound + 1e-30).all()), m
+
+
+@needs_kernels
+def test_the_amx_path_is_on_where_the_cpu_and_kernel_allow_it():
+    """The exactness test above passes on the fp32 tiles too; this one fails if the tile path went
+    missing on a CPU with AMX-BF16 under a kernel that grants its tile state (Linux >= 5.16)."""
+    import os
+    import re
+
+    flags = _cpu_flags().split()
+    release = tuple(int(v) for v in re.findall(r"\d+", os.uname().release)[:2])
+    wanted = ({"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= set(flags) and release >= (5, 16)
+              and os.environ.get("KVMESH_AMX", "1") != "0")
+    assert ops.gguf_amx() == wanted
 
 
 @needs_kernels
