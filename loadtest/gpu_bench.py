@@ -24,16 +24,16 @@ Rows (synthetic KV: the kernels' speed does not depend on the values):
 Every Triton result is checked against its torch reference first; a mismatch raises (nonzero exit).
 In the tables, ``triton paged/torch sdpa contiguous`` is the issue's "within 1.5x" ratio and
 ``int4/fp16`` of the import time its "2x faster" one (0.5x or less meets it).
-The 1.5x target is judged on the graph rows: a decode step on a GPU is meant to be replayed as a CUDA
-graph (issue 24's CUDA execution part, not built yet: today's `--device cuda` launches eagerly), and
-a kernel of a few microseconds timed eagerly measures Python's launch cost, not the GPU.
+The 1.5x target is judged on the graph rows: the engine replays its decode steps on a GPU as CUDA
+graphs (kvmesh.gpu.decode_graphs), and a kernel of a few microseconds timed eagerly measures
+Python's launch cost, not the GPU.
 Times are medians. Eager: triton.testing.do_bench (L2 flushed before each call). Graph: one graph
 calls the function over each of up to 128 input sets in turn (256 MB of inputs, or 128 sets where
 they are smaller: 190 MB at least here, near 4x an H100's 50 MB L2, so no call finds its inputs
 cached; dequantization sets have their own codes and destination blocks), replays timed with CUDA
-events, divided by the calls. The issue's decode tok/s, TTFT and HF transformers rows need the engine on CUDA, which is
-not built yet (issue 24's CUDA execution part). The last thing printed is a summary against the
-issue's targets.
+events, divided by the calls. Then the engine's rows (kvmesh.loadtest.gpu_engine_bench): decode
+tok/s at batch 1/8/32 and TTFT at 2,048 tokens, kvmesh with and without CUDA graphs against HF
+transformers' bf16 generate. The last thing printed is a summary against the issue's targets.
 
     python -m kvmesh.loadtest.gpu_bench [--json PATH]      (needs only torch + triton; see scripts/gpu_check.sh)
 """
@@ -48,6 +48,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kvmesh.loadtest.gpu_engine_bench import engine_rows, engine_summary
 from kvmesh.loadtest.report import pivot, row
 
 CONTEXT = 2048
@@ -487,7 +488,7 @@ def _value(rows: list[dict], metric: str, **params) -> float:
     return float("nan")
 
 
-def summary(rows: list[dict], copy_gbs: float, problems: list[str]) -> str:
+def summary(rows: list[dict], copy_gbs: float, problems: list[str], engine: list[str] = ()) -> str:
     """The issue's three targets, one line per case: the text printed last."""
     out = [f"== summary: issue 24 targets (copy {copy_gbs:.0f} GB/s read + written)",
            "decode attention us, triton paged vs torch sdpa contiguous (target: graph ratio <= 1.5x)",
@@ -532,12 +533,14 @@ def summary(rows: list[dict], copy_gbs: float, problems: list[str]) -> str:
             gbs = _value(rows, "re-rotate keys into paged blocks", tokens=r["tokens"], codec=r["codec"], impl=r["impl"])
             out.append(f"  {r['shape']:<13} {r['tokens']:>6} tokens {r['codec']:<4} {r['impl']:<17} "
                        f"{gbs:7.0f} GB/s {r['value']:5.2f}")
+    out += engine
     out.append("problems: " + ("; ".join(problems) if problems else "none"))
     return "\n".join(out)
 
 
-def run(quick: bool = False) -> list[dict]:
-    """All rows (``quick`` changes nothing: the whole bench takes about a minute on an H100).
+def run(quick: bool = False, skip_engine: bool = False) -> list[dict]:
+    """All rows (``quick`` changes nothing: the whole bench takes about two minutes on an H100;
+    ``skip_engine`` leaves out the engine rows, kvmesh.loadtest.gpu_engine_bench).
     Exits nonzero after printing everything when a CUDA-graph timing failed or disagreed."""
     if not torch.cuda.is_available():
         raise SystemExit("kvmesh bench gpu needs a CUDA device (and triton); this machine has none. "
@@ -560,9 +563,14 @@ def run(quick: bool = False) -> list[dict]:
     print()
     print(pivot(rerotate, "impl", baseline="dequantize only"))
     print()
-    print(summary(attention + codecs + quantized + rerotate, copy_gbs, problems))
+    engine = [] if skip_engine else engine_rows(problems)
+    if engine:
+        print(pivot([{k: v for k, v in r.items() if k not in ("min", "max")} for r in engine], "system",
+                    baseline="hf generate"))
+        print()
+    print(summary(attention + codecs + quantized + rerotate, copy_gbs, problems, engine_summary(engine) if engine else []))
     rows = [row("device-to-device copy", copy_gbs, "GB/s", impl="torch copy_"), *attention, *codecs, *quantized,
-            *rerotate]
+            *rerotate, *engine]
     rows += [row("bench problem", 1.0, "", detail=p) for p in problems]
     return [{"device": name, **r} for r in rows]
 
@@ -570,8 +578,9 @@ def run(quick: bool = False) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--skip-engine", action="store_true", help="only the kernels' rows, not the engine's")
     args = parser.parse_args()
-    rows = run()
+    rows = run(skip_engine=args.skip_engine)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -42,13 +42,15 @@ NO_MODEL: dict[str, str] = {
     "loadgen": "it measures the load harness itself against a stub server that answers at once; "
                "point `kvmesh loadtest --url` at a stack serving your model instead",
     "gpu": "it measures kvmesh.gpu's Triton kernels on synthetic KV of fixed head shapes (SmolLM2-135M's "
-           "and a 32/8/128 one); the kernels' speed does not depend on the weights",
+           "and a 32/8/128 one), and the engine on random weights of SmolLM2-135M's architecture against "
+           "HF transformers on the same weights; speed does not depend on the weights' values",
 }
 """Benchmarks that load no model at all, and why."""
 
 NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
     "engine": (("transformers", "its `hf` column runs transformers' generate()"),),
-    "gpu": (("triton", "it times kvmesh.gpu's Triton kernels"),),
+    "gpu": (("triton", "it times kvmesh.gpu's Triton kernels"),
+            ("transformers", "its engine rows compare with transformers' generate()")),
 }
 """Benchmarks' imports beyond the base install: (module, what for). All come with the `test` extra
 and are checked before the benchmark starts, so a missing one fails at once, not after minutes."""

@@ -40,8 +40,9 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
     if loaded.device.type == "cpu" and loaded.model_dtype == torch.float32:
         paged_decode_kernel()  # built (or loaded from the cache) now, not on the first decode step
     num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size)
     max_len = cfg.max_model_len or loaded.config.context_length
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size,
+                         graph_batch_sizes=cuda_graph_sizes(cfg, loaded), max_model_len=max_len)
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=max_len, block_size=cfg.block_size, max_waiting=cfg.max_waiting)
@@ -56,6 +57,20 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
                                         cfg.blend_selection).for_model(loaded.config.num_layers),
                       quality_budget=QualityBudget(cfg.quality_max_kl, cfg.quality_min_top1),
                       guardrail=build_guardrail(cfg))
+
+
+def cuda_graph_sizes(cfg: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
+    """Decode batch sizes the runner captures as CUDA graphs: none off CUDA, with --cuda-graphs false,
+    or for a model the graphs do not support (logged)."""
+    if loaded.device.type != "cuda" or not cfg.cuda_graphs:
+        return ()
+    from kvmesh.gpu.decode_graphs import graph_batch_sizes, supports
+
+    why = supports(loaded.model)
+    if why is not None:
+        log.info("decode steps run eagerly, not as CUDA graphs: %s", why)
+        return ()
+    return graph_batch_sizes(cfg.max_num_seqs)
 
 
 def build_guardrail(cfg: EngineConfig) -> Guardrail:

@@ -102,7 +102,7 @@ class EngineCore:
         self.eos_token_ids = tuple(loaded.config.eos_token_ids)
         self.logits_processor = LogitsProcessor(self.eos_token_ids)
         self.structured = StructuredOutput(loaded.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
-        self.kv_transfer = KvTransfer(kv, runner.read_kv) if kv is not None else None
+        self.kv_transfer = KvTransfer(kv, runner.read_kv_to_host, runner.stage_kv) if kv is not None else None
         self.speculator = Speculator(drafts, self.scheduler, spec) if drafts is not None else None
         self.blender = Blender(loaded.model, self.scheduler, blend)
         self.quality_budget = quality_budget

@@ -135,6 +135,9 @@ class ExportJob:
     """Called on the export thread with the byte size of each chunk it stored."""
     urgent: bool = False
     """A P/D handoff's chunk, which a decode hop waits for: stored before queued jobs that are not."""
+    ready: Optional[Callable[[], None]] = None
+    """Blocks until k, v hold their values (a device-to-host copy in flight on the engine's copy
+    stream, services/engine/kv_copies.py); called on the export thread before they are read."""
 
 
 @dataclass
@@ -384,6 +387,8 @@ class KvConnector:
             ok = True
             token = otel_context.attach(job.trace_context or Context())
             ns = job.namespace.digest()
+            if job.ready is not None:
+                job.ready()
             for i, key in enumerate(job.keys):
                 sl = slice(i * chunk, (i + 1) * chunk)
                 try:

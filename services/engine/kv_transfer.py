@@ -27,8 +27,11 @@ from kvmesh.services.engine.kv_connector import ExportJob, KvConnector, KvPlan
 from kvmesh.services.engine.scheduler import SchedulerOutput
 from kvmesh.services.engine.sequence import Sequence
 
-ReadKv = Callable[[Sequence, int, int], tuple[torch.Tensor, torch.Tensor]]
-"""ModelRunner.read_kv: a copy of seq's KV at positions [start, end), [layers, n, kvh, hd] each."""
+ReadKv = Callable[[Sequence, int, int], tuple[torch.Tensor, torch.Tensor, Optional[Callable[[], None]]]]
+"""ModelRunner.read_kv_to_host: a host copy of seq's KV at positions [start, end), [layers, n, kvh,
+hd] each, and a wait() for the copy (None when it is complete; services/engine/kv_copies.py)."""
+Stage = Callable[[tuple[torch.Tensor, torch.Tensor]], object]
+"""ModelRunner.stage_kv: starts copying a fetched payload to the engine's device."""
 
 
 @dataclass
@@ -125,9 +128,10 @@ class _Request:
 class KvTransfer:
     """Moves one engine's KV in from fetched plans and out to the KV service."""
 
-    def __init__(self, connector: KvConnector, read_kv: ReadKv) -> None:
+    def __init__(self, connector: KvConnector, read_kv: ReadKv, stage: Optional[Stage] = None) -> None:
         self.connector = connector
         self.read_kv = read_kv
+        self.stage = stage
         self._requests: dict[str, _Request] = {}
 
     def add(self, seq: Sequence, plan: Optional[KvPlan], doc_exports: Optional[DocumentExports],
@@ -135,7 +139,8 @@ class KvTransfer:
         """Hands the plan's fetched KV to the sequence (imported at admission) and remembers what
         to export once the prompt is computed (a handoff's: as its chunks are computed)."""
         if plan is not None and plan.kv is not None:
-            seq.external_kv, seq.external_start, seq.external_tokens = plan.kv, plan.start, plan.tokens
+            kv = plan.kv if self.stage is None else self.stage(plan.kv)  # on CUDA: copying from now on
+            seq.external_kv, seq.external_start, seq.external_tokens = kv, plan.start, plan.tokens
             plan.kv = None  # the sequence holds it until import
         handoff = plan.handoff if plan is not None else None
         chunk = self.connector.config.chunk_tokens
@@ -178,12 +183,12 @@ class KvTransfer:
                 continue
             first = plan.present.index(False)
             start, end = first * chunk, len(plan.keys) * chunk
-            k, v = self.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
+            k, v, ready = self.read_kv(seq, start, end)  # [layers, end-start, kvh, hd]
             # Exact prefix chunks keep their keys as computed: a prefix chunk never moves, and
             # un-rotating then rotating again would not give the same bits back.
             self.connector.submit_export(ExportJob(plan.namespace, plan.keys[first:], seq.prompt_token_ids[start:end],
                                                    start, k, v, plan.spec, positioned=plan.namespace.is_exact,
-                                                   trace_context=req.trace_context))
+                                                   trace_context=req.trace_context, ready=ready))
 
     def _export_computed(self, req: _Request, chunk: int) -> None:
         """A handoff's full chunks computed since the last step, one job each (in order)."""
@@ -191,12 +196,12 @@ class KvTransfer:
         computed = min(seq.num_computed_tokens, seq.num_prompt_tokens) // chunk
         for i in range(req.next_chunk, min(computed, len(plan.keys))):
             start, end = i * chunk, (i + 1) * chunk
-            k, v = self.read_kv(seq, start, end)
+            k, v, ready = self.read_kv(seq, start, end)
             on_done, on_stored = handoff.job(chunk)
             self.connector.submit_export(ExportJob(plan.namespace, [plan.keys[i]], seq.prompt_token_ids[start:end],
                                                    start, k, v, plan.spec, positioned=plan.namespace.is_exact,
                                                    on_done=on_done, trace_context=req.trace_context,
-                                                   on_stored=on_stored, urgent=True))
+                                                   on_stored=on_stored, urgent=True, ready=ready))
             req.next_chunk = i + 1
 
     def _export_tail(self, req: _Request, chunk: int) -> None:
@@ -209,11 +214,12 @@ class KvTransfer:
         if plan.tail_present:
             handoff.hold(end - start)
             return
-        k, v = self.read_kv(seq, start, end)
+        k, v, ready = self.read_kv(seq, start, end)
         on_done, on_stored = handoff.job(end - start)
         self.connector.submit_export(ExportJob(plan.namespace, [plan.tail_key], seq.prompt_token_ids[start:end], start,
                                                k, v, plan.spec, positioned=plan.namespace.is_exact, on_done=on_done,
-                                               trace_context=req.trace_context, on_stored=on_stored, urgent=True))
+                                               trace_context=req.trace_context, on_stored=on_stored, urgent=True,
+                                               ready=ready))
 
     def _export_documents(self, seq: Sequence, exports: DocumentExports, trace_context: Optional[Context]) -> None:
         """One job per document chunk the service lacked (keys un-rotated from their prompt
@@ -229,6 +235,7 @@ class KvTransfer:
         if not pending and exports.on_done is not None:
             exports.on_done(True)
         for key, a, b in exports.chunks:
-            k, v = self.read_kv(seq, a, b)
+            k, v, ready = self.read_kv(seq, a, b)
             self.connector.submit_export(ExportJob(exports.namespace, [key], seq.prompt_token_ids[a:b], a, k, v,
-                                                   exports.spec, on_done=done, trace_context=trace_context))
+                                                   exports.spec, on_done=done, trace_context=trace_context,
+                                                   ready=ready))

@@ -6,14 +6,19 @@ in a `SchedulerOutput`; everything it returns is plain logits for the sequences 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block, read_kv, write_kv_range
 from kvmesh.model.loader import LoadedModel
+from kvmesh.services.engine.kv_copies import KvCopies
 from kvmesh.services.engine.sampler import TokenLogprobs, token_logprobs
 from kvmesh.services.engine.scheduler import SchedulerOutput
 from kvmesh.services.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvmesh.gpu.decode_graphs import DecodeGraphs
 
 
 PROMPT_LOGITS_ROWS = 256
@@ -73,19 +78,37 @@ def blocks_for_budget(loaded: LoadedModel, block_size: int, budget_bytes: int) -
 
 
 class ModelRunner:
-    """Owns the paged KV pool of one model on one device and runs forward passes over it."""
+    """Owns the paged KV pool of one model on one device and runs forward passes over it.
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int) -> None:
+    ``graph_batch_sizes``: plain decode steps of up to the largest of these sizes are replayed as
+    CUDA graphs (kvmesh.gpu.decode_graphs), captured here for sequences of up to ``max_model_len``
+    tokens; the pool then holds one block more than ``num_blocks``, the padding rows' scratch
+    block, which the block manager never hands out. Off CUDA (tests) the same steps run the graphs'
+    code eagerly."""
+
+    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
+                 graph_batch_sizes: tuple[int, ...] = (), max_model_len: int = 0) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = torch.device(loaded.device)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # [layers] x ([num_blocks, block_size, kv_heads, head_dim], same for V)
+        graphs = bool(graph_batch_sizes)
+        # [layers] x ([num_blocks (+ scratch), block_size, kv_heads, head_dim], same for V)
         self.kv_caches = allocate_kv_cache(
-            loaded.config, num_blocks, block_size, loaded.model_dtype, self.device)
+            loaded.config, num_blocks + graphs, block_size, loaded.model_dtype, self.device)
         self.kv_cache_bytes = num_blocks * kv_bytes_per_block(
             loaded.config, block_size, loaded.model_dtype)
+        self.copies = KvCopies(self.device)
+        self.graphs: Optional[DecodeGraphs] = None
+        if graphs:
+            from kvmesh.gpu.decode_graphs import DecodeGraphs  # triton: only where graphs are asked for
+
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, scratch_block=num_blocks,
+                                       max_blocks=-(-(max_model_len or loaded.config.context_length) // block_size),
+                                       batch_sizes=graph_batch_sizes)
+            if self.device.type == "cuda":
+                self.graphs.capture()
 
     @torch.inference_mode()
     def read_kv(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +116,27 @@ class ModelRunner:
         return read_kv(self.kv_caches, seq.block_table, start, end)
 
     @torch.inference_mode()
+    def read_kv_to_host(self, seq: Sequence, start: int, end: int):
+        """`read_kv` on the host for an export: (k, v, wait), where on CUDA the copy runs on the
+        copy stream (services/engine/kv_copies.py) and ``wait()`` blocks until it is done; off
+        CUDA wait is None and k, v are read_kv's."""
+        return self.copies.to_host(*self.read_kv(seq, start, end))
+
+    def stage_kv(self, payload):
+        """An imported payload (k, v on the host) whose copy to the device starts now, on the copy
+        stream (a StagedKv); as it is off CUDA."""
+        return self.copies.to_device(payload)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Writes imported KV, computes every scheduled token; returns logits where a sequence
         needs its next token."""
+        if self.graphs is not None:
+            graphed = self._replay(out)
+            if graphed is not None:
+                return graphed
         for imp in out.imports:
-            k, v = imp.payload  # [layers, tokens, kv_heads, head_dim], positions from payload_start
+            k, v = self.copies.ready(imp.payload)  # [layers, tokens, kv_heads, head_dim], positions from payload_start
             a, b = imp.start - imp.payload_start, imp.end - imp.payload_start
             write_kv_range(self.kv_caches, imp.seq.block_table, imp.start, k[:, a:b], v[:, a:b])
         bs = self.block_size
@@ -167,6 +206,30 @@ class ModelRunner:
             verified.append(DraftLogits(seq, drafts, logits[row:row + 1 + len(drafts)]))
             row += 1 + len(drafts)
         return StepResult(sample_seqs, logits[:len(sample_seqs)], chunks, verified)
+
+    def _replay(self, out: SchedulerOutput) -> Optional[StepResult]:
+        """A plain decode step (every sequence one new token, its last known one, no drafts, no
+        imports, no prompt logprobs) as a graph replay; None for any other step (run eagerly)."""
+        graphs = self.graphs
+        if out.imports or not out.scheduled or len(out.scheduled) > graphs.max_batch:
+            return None
+        bs = self.block_size
+        ids, positions, slots, lens, tables, seqs = [], [], [], [], [], []
+        for item in out.scheduled:
+            seq = item.seq
+            p = seq.num_computed_tokens
+            if (item.num_new_tokens != 1 or item.draft_token_ids or seq.needs_prompt_logprobs
+                    or p + 1 != seq.num_tokens or len(seq.block_table) > graphs.max_blocks):
+                return None
+            table = seq.block_table
+            ids.append(seq.last_token_id)
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(table)
+            seqs.append(seq)
+        logits = graphs.run(ids, positions, slots, lens, tables)
+        return StepResult(seqs, logits.float().cpu())
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, start: int, flat: int,
                          n: int) -> PromptLogprobsChunk:

@@ -11,7 +11,8 @@ if TYPE_CHECKING:  # the control plane does not import torch
     import torch
 
     KvPayload = tuple[torch.Tensor, torch.Tensor]
-    """Keys and values [layers, tokens, kv_heads, head_dim], keys rotated to their positions."""
+    """Keys and values [layers, tokens, kv_heads, head_dim], keys rotated to their positions (on
+    CUDA, a fetched payload is a kv_copies.StagedKv: the same, copying to the device)."""
 
 
 class SequenceStatus(enum.Enum):

@@ -5,12 +5,13 @@ Layout (shared with the engine's block manager and the kvcache import/export pat
 dtype. Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``, i.e. flat slot ``block_id * block_size + offset``.
 
-This runs on any device with plain torch ops; a Triton kernel can replace ``paged_attention``
-on GPU as long as it matches this reference.
+This runs on any device with plain torch ops; decode rows on CUDA go through the Triton kernel
+that reads the blocks in place (kvmesh.gpu.paged_attention, tested against this reference).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -253,9 +254,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     window: int | None = None) -> torch.Tensor:
     """Write the new keys/values into the cache, then attend. Returns [T, heads, hd].
 
-    q: [T, heads, hd]; k, v: [T, kv_heads, hd] (already rotated). Decode rows go through the
-    native kernel that reads the cache in place (fp32 on CPU, kvmesh.model.native) or else one
-    batched SDPA over gathered blocks with a padding mask; multi-token rows loop per sequence.
+    q: [T, heads, hd]; k, v: [T, kv_heads, hd] (already rotated). Decode rows go through a kernel
+    that reads the cache in place (fp32 on CPU: kvmesh.model.native; on CUDA: kvmesh.gpu's Triton
+    kernel) or else one batched SDPA over gathered blocks with a padding mask; multi-token rows
+    loop per sequence.
     ``window``: a sliding window (Mistral, Qwen2): a query sees only the last ``window`` keys up
     to itself; rows whose context exceeds it take the masked SDPA paths. Every key stays cached
     (blocks left of the window are not freed), so a window changes the arithmetic, not the memory.
@@ -270,8 +272,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         window_mask = meta.window_decode_mask(window) if window is not None else None
         native = (paged_decode_kernel() if q.device.type == "cpu" and k_cache.dtype == torch.float32
                   and window_mask is None else None)
+        triton_decode = (cuda_decode_kernel() if native is None and q.device.type == "cuda"
+                         and window_mask is None else None)
         if native is not None:  # reads the blocks in place (kvmesh.model.native)
             od = native(qd.contiguous(), k_cache, v_cache, meta.decode_blocks, meta.decode_ctx, scale)
+        elif triton_decode is not None:  # the same on CUDA (kvmesh.gpu.paged_attention)
+            od = triton_decode(qd[:, None], k_cache, v_cache, meta.decode_blocks, meta.decode_ctx, scale,
+                               max_seq_len=meta.decode_blocks.shape[1] * k_cache.shape[1])[:, 0]
         else:
             qd = _fold_groups(qd[:, None], kvh)  # [D, kvh, g, hd]
             keys = None if window_mask is not None else meta.decode_keys
@@ -311,6 +318,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = F.scaled_dot_product_attention(qf, ks, vs, attn_mask=mask, scale=scale)
         out[p.start:p.start + p.q_len] = _unfold_groups(o[0], p.q_len)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_decode_kernel():
+    """kvmesh.gpu.paged_attention's Triton decode attention for CUDA tensors (it reads the block
+    table in place, where gather + SDPA copies every block first), None without triton."""
+    try:
+        from kvmesh.gpu.paged_attention import paged_decode_attention
+    except ImportError:
+        return None
+    return paged_decode_attention
 
 
 def _token_slots(block_table: list[int], start: int, end: int, block_size: int,
