@@ -84,7 +84,8 @@ if TYPE_CHECKING:
     from kvmesh.model.loader import LoadedModel
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
-WEIGHTS = ("gguf", "int8", "int4", "int4-w8a8")  # gguf: GGUF sources only (the file's own blocks)
+WEIGHTS = ("gguf", "int8", "int4", "int4-w8a8", "bf16")
+"""gguf: GGUF sources only (the file's own blocks); bf16: bf16 weights and activations (--dtype bfloat16)."""
 SPLIT_ENV = "KVMESH_BENCH_SPLIT"
 PATHS_ENV = "KVMESH_BENCH_PATHS"
 RATIOS_ENV = "KVMESH_BENCH_RATIOS"
@@ -351,7 +352,8 @@ class _Measure:
         from kvmesh.model.loader import gguf_source
 
         formats = [f for f in WEIGHTS if f != "gguf" or gguf_source(loaded.source) is not None]
-        self.weights = {fmt: load_model(loaded.source, dtype="float32", weights=fmt, progress=False)
+        self.weights = {fmt: load_model(loaded.source, dtype="bfloat16" if fmt == "bf16" else "float32", weights=fmt,
+                                        progress=False)
                         for fmt in (formats if "weights" in plan.paths else ())}
         if self.weights:
             print(f"loaded the {', '.join(self.weights)} models in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
