@@ -95,24 +95,18 @@ class DecodeGraphs:
         self.max_batch = self.batch_sizes[-1]
         cols = _TABLE + max_blocks
         pin = self.device.type == "cuda"
-        self._host = torch.zeros((self.max_batch, cols), dtype=torch.long, pin_memory=pin)
-        self._inputs = torch.zeros((self.max_batch, cols), dtype=torch.long, device=self.device)
-        self._pad_rows(self._host, 0)
-        self._inputs.copy_(self._host)
+        # a padding row: token 0 at position 0, KV into the scratch block's slot 0, one key of
+        # context, every table entry the scratch block
+        self._pad = [0, 0, scratch_block * self.block_size, 1] + [scratch_block] * max_blocks
+        self._host = torch.tensor([self._pad] * self.max_batch, dtype=torch.long).pin_memory() if pin else \
+            torch.tensor([self._pad] * self.max_batch, dtype=torch.long)
+        self._inputs = self._host.to(self.device, copy=True)
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.steps = 0
         """Steps run (replayed, or eagerly where nothing was captured)."""
         self.replays = 0
         """Of those, the steps replayed from a graph."""
-
-    def _pad_rows(self, buf: torch.Tensor, first: int) -> None:
-        """Rows first.. of ``buf`` as padding: token 0 at position 0, KV into the scratch block's
-        slot 0, one key of context, every table entry the scratch block."""
-        buf[first:] = 0
-        buf[first:, _SLOT] = self.scratch_block * self.block_size
-        buf[first:, _LEN] = 1
-        buf[first:, _TABLE:] = self.scratch_block
 
     def _forward(self, batch: int) -> torch.Tensor:
         x = self._inputs[:batch]
@@ -157,19 +151,15 @@ class DecodeGraphs:
             raise ValueError(f"a decode step of {n} sequences: captured sizes are {self.batch_sizes}")
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the pinned buffer
-        host = self._host
-        host[:n, _ID] = torch.tensor(input_ids, dtype=torch.long)
-        host[:n, _POS] = torch.tensor(positions, dtype=torch.long)
-        host[:n, _SLOT] = torch.tensor(slots, dtype=torch.long)
-        host[:n, _LEN] = torch.tensor(seq_lens, dtype=torch.long)
-        host[:n, _TABLE:] = self.scratch_block
+        rows = []
         for i, table in enumerate(block_tables):
             if len(table) > self.max_blocks or seq_lens[i] > len(table) * self.block_size:
                 raise ValueError(f"row {i}: {len(table)} blocks for {seq_lens[i]} tokens; the graphs hold "
                                  f"{self.max_blocks} blocks of {self.block_size}")
-            host[i, _TABLE:_TABLE + len(table)] = torch.tensor(table, dtype=torch.long)
-        self._pad_rows(host, n)
-        self._inputs[:batch].copy_(host[:batch], non_blocking=True)
+            rows.append([input_ids[i], positions[i], slots[i], seq_lens[i], *table,
+                         *self._pad[_TABLE + len(table):]])
+        self._host[:batch] = torch.tensor(rows + [self._pad] * (batch - n), dtype=torch.long)  # one conversion
+        self._inputs[:batch].copy_(self._host[:batch], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

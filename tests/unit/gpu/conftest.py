@@ -40,3 +40,15 @@ def device(request) -> str:
         if interpreted:
             pytest.skip("kvmesh.gpu's kernels run in the interpreter; run with TRITON_INTERPRET=0 for native CUDA")
     return request.param
+
+
+def _tiny_config():
+    from kvmesh.model.config import ModelConfig
+
+    return ModelConfig(name="tiny", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+
+
+TINY = _tiny_config()
+"""A 2-layer GQA Llama config for the tests' random checkpoints (loadtest.gpu_engine_bench.random_checkpoint)."""

@@ -16,7 +16,6 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: pip install -e '.[test]'")
 from kvmesh.gpu.decode_graphs import DecodeGraphs, decode_forward, graph_batch_sizes  # noqa: E402
 from kvmesh.model.attention import AttentionMetadata, allocate_kv_cache  # noqa: E402
-from kvmesh.model.config import ModelConfig  # noqa: E402
 from kvmesh.model.loader import load_model  # noqa: E402
 
 BS = 16
@@ -24,9 +23,7 @@ BLOCKS = 20
 LENS = [1, 17, 40]  # context after the step: a first token, a new block, a partial third block
 
 
-TINY = ModelConfig(name="tiny", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=512,
-                   tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+from tests.unit.gpu.conftest import TINY  # noqa: E402
 
 
 @pytest.fixture(scope="module")

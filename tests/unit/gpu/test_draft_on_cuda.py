@@ -29,7 +29,7 @@ def test_the_model_drafter_drafts_the_greedy_continuation_on_cuda(tmp_path, dtyp
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from kvmesh.loadtest.gpu_engine_bench import random_checkpoint
-    from tests.unit.gpu.test_decode_graphs import TINY
+    from tests.unit.gpu.conftest import TINY
 
     random_checkpoint(tmp_path / "m", TINY, dtype=torch.float32, init=0.2)
     loaded = load_model(str(tmp_path / "m"), dtype=dtype, device="cuda", progress=False)

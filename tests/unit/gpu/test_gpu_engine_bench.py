@@ -14,10 +14,9 @@ pytest.importorskip("triton", reason="triton is not installed: pip install -e '.
 pytest.importorskip("transformers")
 from kvmesh.loadtest import gpu_engine_bench as geb  # noqa: E402
 from kvmesh.model.config import ModelConfig  # noqa: E402
+from tests.unit.gpu.conftest import TINY as _TINY  # noqa: E402
 
-TINY = ModelConfig(name="tiny", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=512,
-                   tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
+TINY = dataclasses.replace(_TINY, tie_word_embeddings=True)  # tied, as SmolLM2
 
 
 def test_the_stand_in_has_the_bundled_models_architecture():

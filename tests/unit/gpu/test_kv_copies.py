@@ -34,7 +34,7 @@ def dev(request) -> torch.device:
 def loaded_folder(tmp_path_factory):
     pytest.importorskip("transformers")
     from kvmesh.loadtest.gpu_engine_bench import random_checkpoint
-    from tests.unit.gpu.test_decode_graphs import TINY
+    from tests.unit.gpu.conftest import TINY
 
     path = tmp_path_factory.mktemp("tiny_copies")
     random_checkpoint(path, TINY, dtype=torch.float32)
