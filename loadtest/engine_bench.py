@@ -500,7 +500,8 @@ def greedy_agreement(model: str, formats: list[str], prompts: Prompts, quick: bo
     ids = [prompts.take(AGREE_PROMPT_LEN) for _ in range(n)]
 
     def answers(weights: str) -> list[list[int]]:
-        lm = load_model(model, dtype="float32", weights=weights, progress=False)
+        dtype = "bfloat16" if weights == "bf16" else "float32"
+        lm = load_model(model, dtype=dtype, weights=weights, progress=False)
         with torch.inference_mode():
             out = [greedy_decode(lm, p, AGREE_TOKENS)[0] for p in ids]
         del lm
@@ -516,7 +517,12 @@ def greedy_agreement(model: str, formats: list[str], prompts: Prompts, quick: bo
     return rows
 
 
-SYSTEM_OF = {"fp32": "kvmesh-fp32", "int4-w8a8": "kvmesh-int4-w8a8", "gguf": "kvmesh"}
+SYSTEM_OF = {"fp32": "kvmesh-fp32", "int4-w8a8": "kvmesh-int4-w8a8", "gguf": "kvmesh", "bf16": "kvmesh-bf16"}
+
+BF16_ARGS = ["--dtype", "bfloat16", "--weights", "bf16", "--max-num-batched-tokens", "2048"]
+"""The `kvmesh-bf16` column: bf16 weights and activations (oneDNN's matmuls and flash attention on
+AMX), lossy but within llama.cpp's quality cost (`kvmesh bench quality`), each prompt of up to
+2,048 tokens prefilled in one chunk: the fastest time to first token that cost allows."""
 
 
 def longest_sequence(plan: Plan) -> int:
@@ -552,7 +558,8 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
         rows += bench_kvmesh(plan, prompts, [*base, "--weights", "fp32"], system="kvmesh-fp32")
     # lossy: int4 for one- and two-row matmuls, int8 x int8 (SmoothQuant) for batches, prefill and lm_head
     rows += bench_kvmesh(plan, prompts, [*base, "--weights", "int4-w8a8"], system="kvmesh-int4-w8a8")
-    rows += greedy_agreement(model, ["gguf", "int4-w8a8"] if is_gguf else ["int4-w8a8"], prompts, quick)
+    rows += bench_kvmesh(plan, prompts, [*base, *BF16_ARGS], system="kvmesh-bf16")
+    rows += greedy_agreement(model, ["gguf", "int4-w8a8", "bf16"] if is_gguf else ["int4-w8a8", "bf16"], prompts, quick)
     # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
     gguf = gguf_file(model)
     if gguf is None:

@@ -193,7 +193,7 @@ def _attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: li
     scale = layer.self_attn.scale
     if groups is None:
         g = q.shape[1] // k.shape[1]
-        qt = q.transpose(0, 1)[None]  # [1, heads, A, hd]
+        qt = q.transpose(0, 1).contiguous()[None]  # [1, heads, A, hd], laid out as the paged prefill's
         kt = k.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, T, hd], HF repeat_kv order
         vt = v.transpose(0, 1).repeat_interleave(g, dim=0)[None]
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)

@@ -14,10 +14,7 @@ the KV head's query heads, then a merge of the splits (see attend_rows).
 Every row is computed alone, so a row's bits do not depend on the rows beside it.
 """
 
-DECODE_SOURCE = r"""
-// ---- One decode step of the whole decoder stack in one call (see kvmesh.model.quant.GGUFDecode) ----
-
-#if defined(__AVX512F__)
+EXP16_SOURCE = r"""
 // e^x for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes expf's
 // coefficients), times 2^n by vscalefps (which also gives 0 and inf past the float range).
 // Within 2 ulp of the correctly rounded value over the float range.
@@ -37,7 +34,14 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// The lanes of a 16-float step at i of n that lie inside n.
+"""
+"""e^x for 16 fp32 lanes (AVX-512F), shared with kvmesh.model.fused_rows."""
+
+DECODE_SOURCE = r"""
+// ---- One decode step of the whole decoder stack in one call (see kvmesh.model.quant.GGUFDecode) ----
+
+#if defined(__AVX512F__)
+""" + EXP16_SOURCE[1:] + r"""// The lanes of a 16-float step at i of n that lie inside n.
 static inline __mmask16 lanes(int64_t i, int64_t n) {
   return n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
 }

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.model.attention import AttentionMetadata, KVCache, paged_attention
+from kvmesh.model import fused_rows
 from kvmesh.model.config import ModelConfig, RopeScaling
 from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel
 from kvmesh.model.quant import GGUF_ROWS, GGUFDecode
@@ -58,6 +59,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_rows.rms_norm(x, self.weight, self.eps)  # the lines below in one pass
+        if fused is not None:
+            return fused
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op, bit-identical to the lines below for fp32 (checked at 1-512 rows);
@@ -156,6 +160,8 @@ class LlamaAttention(nn.Module):
         # x: [..., T, hidden] -> q [..., T, heads, hd], k/v [..., T, kv_heads, hd] (q, k rotated)
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(*x.shape[:-1], h + 2 * kvh, self.head_dim)
+        if fused_rows.rope_(qkv, cos, sin, h + kvh):  # apply_rope's arithmetic, in place
+            return qkv[..., :h, :], qkv[..., h:h + kvh, :], qkv[..., h + kvh:, :]
         qk = apply_rope(qkv[..., : h + kvh, :], cos, sin)  # one rotation for q and k heads
         return qk[..., :h, :], qk[..., h:, :], qkv[..., h + kvh:, :]
 
@@ -184,8 +190,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = fused_rows.silu_mul(gate_up)  # the line below in one pass
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):

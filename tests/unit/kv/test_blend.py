@@ -131,9 +131,10 @@ def test_error_shrinks_as_the_ratio_grows(model):
     for seed in range(3):
         segments = _prompt(model, seed=seed)
         _, _, full = _full(model, segments)
-        ref = torch.log_softmax(full, -1)
+        # KL in float64: computed in fp32 it carries +-1e-7 of rounding noise, above the bound below
+        ref = torch.log_softmax(full.double(), -1)
         for ratio in errors:
-            got = torch.log_softmax(blend_prefill(model, segments, recompute_ratio=ratio).logits, -1)
+            got = torch.log_softmax(blend_prefill(model, segments, recompute_ratio=ratio).logits.double(), -1)
             errors[ratio] += float((ref.exp() * (ref - got)).sum())  # KL(full || blended)
     assert errors[0.0] > errors[0.5] > errors[1.0]
     assert errors[0.0] > 1e-3  # the case does have cross-segment attention to restore
