@@ -45,6 +45,8 @@ setup() {
   "$venv/bin/python" -m kvmesh.model.native
   # The GGUF block kernels of --weights gguf, likewise (~25 s once).
   "$venv/bin/python" -m kvmesh.model.gguf_native
+  # The fused row kernels (RMSNorm, RoPE, SwiGLU) of prefill chunks, likewise.
+  "$venv/bin/python" -m kvmesh.model.fused_rows
 }
 
 case "${1:-}" in

@@ -297,13 +297,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qs = q[p.start:p.start + p.q_len]  # [q, heads, hd]
         window_mask = meta.window_prefill_mask(i, window) if window is not None else None
         if p.blocks is None:
-            # All keys are new and the mask is plain causal (or the window's): repeat the KV
-            # heads (HF's repeat_kv order), so is_causal lines queries up with keys.
-            g = q.shape[1] // kvh
-            ks = k[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, heads, q, hd]
+            # All keys are new and the mask is plain causal (or the window's): SDPA's GQA reads
+            # each KV head for its query heads (HF's repeat_kv order, the same bits as repeating
+            # them, without the copies), so is_causal lines queries up with keys.
+            # On CUDA the heads are repeated: not every SDPA backend there takes GQA.
+            gqa = q.device.type == "cpu"
+            g = 1 if gqa else q.shape[1] // kvh
+            ks = k[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, kvh*g, q, hd]
             vs = v[p.start:p.start + p.q_len].transpose(0, 1).repeat_interleave(g, dim=0)[None]
             o = F.scaled_dot_product_attention(qs.transpose(0, 1).contiguous()[None], ks, vs,
-                                               attn_mask=window_mask, is_causal=window_mask is None, scale=scale)
+                                               attn_mask=window_mask, is_causal=window_mask is None, scale=scale,
+                                               enable_gqa=gqa)
             out[p.start:p.start + p.q_len] = o[0].transpose(0, 1)
             continue
         # With earlier context, fold the query heads that share a KV head into extra query rows

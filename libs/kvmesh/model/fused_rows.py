@@ -312,3 +312,8 @@ def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     out = ops.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
     return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+
+if __name__ == "__main__":  # `python -m kvmesh.model.fused_rows`: build (or find) the kernels now
+    logging.basicConfig(level=logging.INFO)
+    print(f"fused row kernels: {'ready' if _ops() is not None else 'unavailable, the torch ops run'}")
