@@ -98,8 +98,8 @@ class DecodeGraphs:
         # a padding row: token 0 at position 0, KV into the scratch block's slot 0, one key of
         # context, every table entry the scratch block
         self._pad = [0, 0, scratch_block * self.block_size, 1] + [scratch_block] * max_blocks
-        self._host = torch.tensor([self._pad] * self.max_batch, dtype=torch.long).pin_memory() if pin else \
-            torch.tensor([self._pad] * self.max_batch, dtype=torch.long)
+        host = torch.tensor([self._pad] * self.max_batch, dtype=torch.long)
+        self._host = host.pin_memory() if pin else host
         self._inputs = self._host.to(self.device, copy=True)
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

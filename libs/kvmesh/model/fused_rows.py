@@ -25,16 +25,14 @@ kvmesh.model.native.build_per_mode: ``KVMESH_NATIVE``), callers get None and run
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from typing import Optional
 
 import torch
 
-from kvmesh.model.bundled import default_cache_dir
 from kvmesh.model.gguf_decode import EXP16_SOURCE
-from kvmesh.model.native import _cpu_flags, build_per_mode
+from kvmesh.model.native import build_per_mode, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -245,14 +243,7 @@ _tried = False
 
 
 def _build():
-    from torch.utils.cpp_extension import load_inline
-
-    digest = hashlib.sha256((_SOURCE + torch.__version__ + _cpu_flags()).encode()).hexdigest()[:16]
-    folder = default_cache_dir() / "native" / f"rows-{digest}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return load_inline(name="kvmesh_rows", cpp_sources=[_SOURCE], functions=["rms_norm", "rope_", "silu_mul"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    return load_extension("kvmesh_rows", _SOURCE, ["rms_norm", "rope_", "silu_mul"], "rows-", ("-ffp-contract=off",))
 
 
 def _ops():

@@ -41,19 +41,15 @@ NOTE are kvmesh.model.gguf_decode's.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from pathlib import Path
 
-import torch
-
-from kvmesh.model.bundled import default_cache_dir
 from kvmesh.model.gguf_amx import AMX_SOURCE
 from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
 from kvmesh.model.gguf_repack import REPACK_SOURCE, REPACKED_Q4  # noqa: F401 (REPACKED_Q4 re-exported)
-from kvmesh.model.native import _cpu_flags, build_per_mode
+from kvmesh.model.native import build_per_mode, extension_dir, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -539,20 +535,13 @@ _tried = False
 
 
 def _build_dir() -> Path:
-    described = _SOURCE + torch.__version__ + _cpu_flags()
-    return default_cache_dir() / "native" / ("gguf-" + hashlib.sha256(described.encode()).hexdigest()[:16])
+    return extension_dir(_SOURCE, "gguf-")
 
 
 def _build():
-    """Compile (or load the cached build of) the extension; raises with the compiler's output."""
-    from torch.utils.cpp_extension import load_inline
-
-    folder = _build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     # -ffp-contract=off: no fused multiply-adds the source does not write (dequantize is bit-exact)
-    return load_inline(name="kvmesh_gguf", cpp_sources=[_SOURCE], functions=["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode", "gguf_repack", "gguf_amx"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    return load_extension("kvmesh_gguf", _SOURCE, ["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode",
+                                                   "gguf_repack", "gguf_amx"], "gguf-", ("-ffp-contract=off",))
 
 
 def _native():

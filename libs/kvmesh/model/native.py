@@ -276,22 +276,32 @@ def _cpu_flags() -> str:
         return ""
 
 
+def extension_dir(source: str, prefix: str = "") -> Path:
+    """Where an extension of `source` is built and cached: one folder per source, torch version
+    and CPU (-march=native), under the kvmesh cache directory."""
+    digest = hashlib.sha256((source + torch.__version__ + _cpu_flags()).encode()).hexdigest()[:16]
+    return default_cache_dir() / "native" / f"{prefix}{digest}"
+
+
+def load_extension(name: str, source: str, functions: list[str], prefix: str = "", flags: tuple[str, ...] = ()):
+    """Compile (or load the cached build of) a C++ extension of `source` exposing `functions`,
+    -O3 -march=native with OpenMP plus `flags`; raises with the compiler's output."""
+    from torch.utils.cpp_extension import load_inline
+
+    folder = extension_dir(source, prefix)
+    folder.mkdir(parents=True, exist_ok=True)
+    return load_inline(name=name, cpp_sources=[source], functions=functions,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+
+
 def _build_dir() -> Path:
-    described = _SOURCE + torch.__version__ + _cpu_flags()
-    digest = hashlib.sha256(described.encode()).hexdigest()[:16]
-    return default_cache_dir() / "native" / digest
+    return extension_dir(_SOURCE)
 
 
 def _build():
-    """Compile (or load the cached build of) the extension; raises with the compiler's output."""
-    from torch.utils.cpp_extension import load_inline
-
-    folder = _build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    return load_inline(name="kvmesh_native", cpp_sources=[_SOURCE],
-                       functions=["paged_decode", "linear_rows", "quantize_rows", "rescale_rows"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    return load_extension("kvmesh_native", _SOURCE, ["paged_decode", "linear_rows", "quantize_rows", "rescale_rows"],
+                          flags=("-ffast-math",))
 
 
 def native_mode() -> str:
