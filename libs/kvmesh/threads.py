@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,6 +117,27 @@ def torch_threads(n: int) -> Iterator[int]:
         yield set_torch_threads(n)
     finally:
         torch.set_num_threads(before)
+
+
+def lower_thread_priority() -> str:
+    """Moves the calling thread to Linux's idle scheduling class (SCHED_IDLE): it then runs only
+    on a core that no other thread of the machine wants, so background work (the engine's KV
+    exports) never takes a core from the step loop's OpenMP team, whose every step waits for its
+    slowest thread. Falls back to nice 19 (a small share of a busy core), else leaves the thread
+    as it is. Returns what it applied: "idle", "nice" or "unchanged". Per thread only: never
+    call it on a thread that runs the step loop or a request's path."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread (Linux)
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    if sys.platform.startswith("linux"):  # elsewhere setpriority on this id could renice the process
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            return "nice"
+        except OSError:
+            pass
+    return "unchanged"
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -130,10 +130,13 @@ def build_kv_connector(cfg: EngineConfig, loaded: LoadedModel) -> KvConnector | 
     spec = CodecSpec(name=name, zstd=cfg.kv_zstd, group_size=cfg.kv_group_size, residual=cfg.kv_residual,
                      head=cfg.kv_head_tokens, key_outliers=cfg.kv_key_outliers)
     conn = KvConnector(KvConnectorConfig(cfg.kvcache_address, cfg.kv_chunk_tokens, spec, cfg.kv_timeout_s,
-                                         cfg.kv_retry_s, hot_bytes=cfg.kv_hot_bytes),
+                                         cfg.kv_retry_s, hot_bytes=cfg.kv_hot_bytes,
+                                         max_export_bytes=cfg.kv_export_max_bytes,
+                                         export_priority=cfg.kv_export_priority),
                        layout=layout, dtype=loaded.dtype, block_size=cfg.block_size, rotary=loaded.model.rotary)
-    log.info("KV-cache service %s: chunks of %d tokens, codec %s%s", cfg.kvcache_address, cfg.kv_chunk_tokens,
-             spec.name, "+zstd" if cfg.kv_zstd else "")
+    log.info("KV-cache service %s: chunks of %d tokens, codec %s%s, background exports at %s priority",
+             cfg.kvcache_address, cfg.kv_chunk_tokens, spec.name, "+zstd" if cfg.kv_zstd else "",
+             conn.export_priority)
     return conn
 
 

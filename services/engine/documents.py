@@ -140,6 +140,8 @@ class DocumentExports:
     """Codec the chunks are stored with; None = the deployment's."""
     on_done: Optional[Callable[[bool], None]] = None
     """Called once every chunk is stored (True) or one was given up (False); any thread."""
+    urgent: bool = False
+    """A caller waits for the chunks (an ingest): stored at normal priority (kv_connector's NOTE)."""
 
 
 async def plan_documents(prompt: ResolvedPrompt, kv: KvConnector, namespace: KvNamespace, ratio: float,

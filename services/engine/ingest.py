@@ -67,7 +67,7 @@ async def ingest_document(engine: AsyncEngine, req: IngestRequest) -> IngestResu
         def done(ok: bool) -> None:  # on the export thread
             loop.call_soon_threadsafe(lambda: stored.done() or stored.set_result(ok))
 
-        exports = DocumentExports(namespace, missing, spec=req.kv_codec, on_done=done)
+        exports = DocumentExports(namespace, missing, spec=req.kv_codec, on_done=done, urgent=True)
         inp = GenerateInput(req.token_ids, SamplingParams(max_tokens=1, temperature=0.0),
                             tenant_salt=req.tenant_salt, kv_codec=req.kv_codec, speculation=SpecMode.OFF,
                             doc_exports=exports)

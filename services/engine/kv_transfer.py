@@ -238,4 +238,4 @@ class KvTransfer:
             k, v, ready = self.read_kv(seq, a, b)
             self.connector.submit_export(ExportJob(exports.namespace, [key], seq.prompt_token_ids[a:b], a, k, v,
                                                    exports.spec, on_done=done, trace_context=trace_context,
-                                                   ready=ready))
+                                                   urgent=exports.urgent, ready=ready))

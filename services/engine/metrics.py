@@ -198,7 +198,8 @@ _KV_HELP = {
     "bad_blobs": "Fetched blobs rejected (checksum, namespace, shape or token ids) and deleted.",
     "exported_chunks": "KV chunks stored in the KV-cache service.",
     "export_failures": "KV chunks whose store failed.",
-    "export_dropped": "KV chunks not exported because the export queue was full.",
+    "export_dropped": ("KV chunks not exported because the export queue was full (--kv-export-max-bytes, or "
+                       "exports waiting for idle CPU under sustained load)."),
 }
 
 
