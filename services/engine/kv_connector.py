@@ -198,8 +198,8 @@ class KvConnector:
         # after what is queued.
         self._exports: dict[bool, queue.Queue[ExportJob | None]] = {
             urgent: queue.Queue(config.max_export_queue) for urgent in (True, False)}
-        self._queued_bytes = 0  # of background jobs, under _bytes_lock
-        self._bytes_lock = threading.Lock()
+        self._queued_bytes = 0  # of background jobs, under _lock
+        self._lock = threading.Lock()  # _queued_bytes and the export stats (two export threads)
         self.export_priority = "normal"  # what the background thread got (lower_thread_priority)
         started = threading.Event()
         self._export_threads = [
@@ -399,7 +399,7 @@ class KvConnector:
         or, for a background job, when the KV it holds would pass config.max_export_bytes."""
         size = job.k.nbytes + job.v.nbytes
         if not job.urgent:
-            with self._bytes_lock:
+            with self._lock:
                 over = self._queued_bytes + size > self.config.max_export_bytes
                 if not over:
                     self._queued_bytes += size
@@ -410,7 +410,7 @@ class KvConnector:
             self._exports[job.urgent].put_nowait(job)
         except queue.Full:
             if not job.urgent:
-                with self._bytes_lock:
+                with self._lock:
                     self._queued_bytes -= size
             self._drop(job)
 
@@ -430,7 +430,7 @@ class KvConnector:
         while (job := jobs.get()) is not None:
             self._export(job, writer)
             if not urgent:
-                with self._bytes_lock:
+                with self._lock:
                     self._queued_bytes -= job.k.nbytes + job.v.nbytes
             jobs.task_done()
         jobs.task_done()
@@ -450,11 +450,13 @@ class KvConnector:
                                     job.spec or self.config.codec, job.start + i * chunk, self.rotary,
                                     job.positioned)
                 writer.put(key, blob, job.namespace)
-                self.stats.exported_chunks += 1
+                with self._lock:
+                    self.stats.exported_chunks += 1
                 if job.on_stored is not None:
                     job.on_stored(len(blob))
             except Unavailable as err:
-                self.stats.export_failures += len(job.keys) - i
+                with self._lock:
+                    self.stats.export_failures += len(job.keys) - i
                 log.warning("KV export failed (%s); dropping %d chunks", err, len(job.keys) - i)
                 ok = False
                 break
