@@ -476,12 +476,15 @@ class KvConnector:
         threading.Thread(target=wait, daemon=True).start()
         return done.wait(timeout_s)
 
+    def stop_exports(self, timeout_s: float = 30.0) -> None:
+        """Ends both export threads after what is queued (blocking)."""
+        for jobs in self._exports.values():
+            jobs.put(None)
+        for t in self._export_threads:
+            t.join(timeout_s)
+
     async def close(self) -> None:
         """Finishes queued exports, then closes channels and threads."""
-        loop = asyncio.get_running_loop()
-        for jobs in self._exports.values():
-            await loop.run_in_executor(None, jobs.put, None)
-        for t in self._export_threads:
-            await loop.run_in_executor(None, t.join, 30)
+        await asyncio.get_running_loop().run_in_executor(None, self.stop_exports)
         self._codec_pool.shutdown(wait=False)
         await self.client.close()

@@ -58,10 +58,7 @@ def connector(monkeypatch):
 
     yield make
     for conn in made:
-        for t in conn._export_threads:  # what close() does, without its event loop
-            conn._exports[t.name == "kv-export-urgent"].put(None)
-        for t in conn._export_threads:
-            t.join(30)
+        conn.stop_exports()
 
 
 def job(key: bytes, *, urgent: bool = False, on_done=None) -> ExportJob:
