@@ -27,12 +27,11 @@ windows, fp32, no AMX, ``KVMESH_AMX=0``, no compiler) the caller runs torch's SD
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
 import torch
 
-from kvmesh.model.native import build_per_mode, load_extension
+from kvmesh.model.native import NativeModule, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -286,26 +285,13 @@ void causal_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_tried = False
-
-
 def _build():
     return load_extension("kvmesh_amx_attention", _SOURCE, ["available", "causal_attention"], "amxattn-")
 
 
-def _ops():
-    """The compiled module where it is built and this CPU grants AMX, else None."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if not _tried:
-            module = build_per_mode(_build, log, "AMX attention kernel")
-            _module = module if module is not None and module.available() else None
-            _tried = True
-        return _module
+# the compiled module where it is built and this CPU grants AMX, else None
+_kernels = NativeModule(lambda: _build(), "AMX attention kernel", log, accept=lambda m: m.available())
+_ops = _kernels.get
 
 
 HEAD_DIM = 64

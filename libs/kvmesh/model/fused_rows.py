@@ -26,13 +26,12 @@ kvmesh.model.native.build_per_mode: ``KVMESH_NATIVE``), callers get None and run
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
 import torch
 
 from kvmesh.model.gguf_decode import EXP16_SOURCE
-from kvmesh.model.native import build_per_mode, load_extension
+from kvmesh.model.native import NativeModule, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -237,24 +236,12 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_tried = False
-
-
 def _build():
     return load_extension("kvmesh_rows", _SOURCE, ["rms_norm", "rope_", "silu_mul"], "rows-", ("-ffp-contract=off",))
 
 
-def _ops():
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if not _tried:
-            _module = build_per_mode(_build, log, "fused row kernels")
-            _tried = True
-        return _module
+_kernels = NativeModule(lambda: _build(), "fused row kernels", log)
+_ops = _kernels.get
 
 
 def _applies(*tensors: torch.Tensor) -> bool:

@@ -42,14 +42,13 @@ NOTE are kvmesh.model.gguf_decode's.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 from kvmesh.model.gguf_amx import AMX_SOURCE
 from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
 from kvmesh.model.gguf_repack import REPACK_SOURCE, REPACKED_Q4  # noqa: F401 (REPACKED_Q4 re-exported)
-from kvmesh.model.native import build_per_mode, extension_dir, load_extension
+from kvmesh.model.native import NativeModule, extension_dir, load_extension
 
 log = logging.getLogger(__name__)
 
@@ -529,11 +528,6 @@ _SOURCE += REPACK_SOURCE  # 4-bit rows into the kernels' layout at load, kvmesh.
 _SOURCE += AMX_SOURCE  # the prefill path (tiles through MKL or the tile unit), kvmesh.model.gguf_amx
 _SOURCE += DECODE_SOURCE  # one extension: the decode step calls the matmul kernels above
 
-_lock = threading.Lock()
-_module = None
-_tried = False
-
-
 def _build_dir() -> Path:
     return extension_dir(_SOURCE, "gguf-")
 
@@ -544,17 +538,8 @@ def _build():
                                                    "gguf_repack", "gguf_amx"], "gguf-", ("-ffp-contract=off",))
 
 
-def _native():
-    """The compiled module or None, under KVMESH_NATIVE's semantics (kvmesh.model.native)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        _module = build_per_mode(_build, log, "GGUF kernels")
-        _tried = True
-        return _module
+_kernels = NativeModule(lambda: _build(), "GGUF kernels", log)
+_native = _kernels.get
 
 
 def gguf_ops():

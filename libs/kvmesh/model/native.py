@@ -262,11 +262,6 @@ torch::Tensor rescale_rows(torch::Tensor acc, torch::Tensor step, torch::Tensor 
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_tried = False
-
-
 def _cpu_flags() -> str:
     """The CPU's feature flags (the build uses -march=native: a cached build is for this CPU only)."""
     try:
@@ -332,19 +327,33 @@ def build_per_mode(build: Callable[[], object], logger: logging.Logger, what: st
         return None
 
 
-def _native():
-    """The compiled module (built once per process, then cached on disk), or None with
-    KVMESH_NATIVE=0 or, KVMESH_NATIVE unset, where it cannot be built. With KVMESH_NATIVE=1 a
-    failed build raises RuntimeError with the compiler's output (again at every call)."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        _module = build_per_mode(_build, log, "native kernels")
-        _tried = True
-        return _module
+class NativeModule:
+    """A compiled extension, built (or found on disk) at most once per process: ``get()`` is the
+    module, or None with KVMESH_NATIVE=0 or, KVMESH_NATIVE unset, where it cannot be built. With
+    KVMESH_NATIVE=1 a failed build raises RuntimeError with the compiler's output (again at every
+    call). ``accept(module)`` may turn down a built module (e.g. a kernel this CPU cannot run);
+    ``build`` is looked up at each try, so tests may replace it."""
+
+    def __init__(self, build: Callable[[], object], what: str, logger: logging.Logger,
+                 accept: Callable[[object], bool] | None = None) -> None:
+        self._build, self._what, self._log, self._accept = build, what, logger, accept
+        self._lock = threading.Lock()
+        self.module = None
+        self.tried = False
+
+    def get(self):
+        if self.tried:
+            return self.module
+        with self._lock:
+            if not self.tried:
+                module = build_per_mode(self._build, self._log, self._what)
+                self.module = module if module is None or self._accept is None or self._accept(module) else None
+                self.tried = True
+            return self.module
+
+
+_kernels = NativeModule(lambda: _build(), "native kernels", log)
+_native = _kernels.get
 
 
 def paged_decode_kernel() -> Optional[Callable]:

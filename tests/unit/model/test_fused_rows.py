@@ -100,11 +100,11 @@ def test_the_torch_ops_run_where_the_kernels_do_not_apply():
 
 def test_kvmesh_native_0_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("KVMESH_NATIVE", "0")
-    monkeypatch.setattr(fused_rows, "_tried", False)
-    monkeypatch.setattr(fused_rows, "_module", None)
+    monkeypatch.setattr(fused_rows._kernels, "tried", False)
+    monkeypatch.setattr(fused_rows._kernels, "module", None)
     with torch.no_grad():
         assert fused_rows.rms_norm(torch.randn(4, 32), torch.ones(32), 1e-6) is None
-    monkeypatch.setattr(fused_rows, "_tried", False)  # the next test builds (or finds) the kernels again
+    monkeypatch.setattr(fused_rows._kernels, "tried", False)  # the next test builds (or finds) the kernels again
 
 
 @needs_kernels

@@ -221,8 +221,8 @@ def failing_build(monkeypatch):
         raise RuntimeError("Error building extension 'kvmesh_gguf': g++: error: bad kernel")
 
     monkeypatch.setattr(gguf_native, "_build", build)
-    monkeypatch.setattr(gguf_native, "_module", None)
-    monkeypatch.setattr(gguf_native, "_tried", False)
+    monkeypatch.setattr(gguf_native._kernels, "module", None)
+    monkeypatch.setattr(gguf_native._kernels, "tried", False)
     return calls
 
 
@@ -239,6 +239,6 @@ def test_unset_falls_back_with_a_warning_and_0_never_builds(failing_build, monke
     with caplog.at_level("WARNING", logger="kvmesh.model.gguf_native"):
         assert gguf_ops() is None and gguf_ops() is None
     assert len(failing_build) == 1 and "bad kernel" in caplog.text
-    monkeypatch.setattr(gguf_native, "_tried", False)
+    monkeypatch.setattr(gguf_native._kernels, "tried", False)
     monkeypatch.setenv("KVMESH_NATIVE", "0")
     assert gguf_ops() is None and len(failing_build) == 1

@@ -44,8 +44,8 @@ def test_tiny_gguf_model_equals_its_dequantized_weights(tiny_gguf, tmp_path):  #
 def test_without_the_kernels_the_layers_hold_the_dequantized_weights(tiny_gguf, tmp_path, monkeypatch):  # noqa: F811
     path, _ = tiny_gguf
     ref = load_model(str(path), cache_dir=tmp_path, progress=False)
-    monkeypatch.setattr(gguf_native, "_module", None)
-    monkeypatch.setattr(gguf_native, "_tried", True)  # as after KVMESH_NATIVE=0 or a failed build
+    monkeypatch.setattr(gguf_native._kernels, "module", None)
+    monkeypatch.setattr(gguf_native._kernels, "tried", True)  # as after KVMESH_NATIVE=0 or a failed build
     got = load_model(str(path), cache_dir=tmp_path, weights="gguf", progress=False)
     assert all("dequantized" in m.extra_repr() for m in _gguf_linears(got))
     ids = torch.tensor([[3, 200, 17, 99]])

@@ -242,8 +242,8 @@ def failing_build(monkeypatch):
         raise RuntimeError("Error building extension 'kvmesh_native': g++: error: bad kernel")
 
     monkeypatch.setattr(native, "_build", build)
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native._kernels, "module", None)
+    monkeypatch.setattr(native._kernels, "tried", False)
     return calls
 
 
