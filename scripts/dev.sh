@@ -47,6 +47,8 @@ setup() {
   "$venv/bin/python" -m kvmesh.model.gguf_native
   # The fused row kernels (RMSNorm, RoPE, SwiGLU) of prefill chunks, likewise.
   "$venv/bin/python" -m kvmesh.model.fused_rows
+  # bf16 prefill attention on the AMX tile unit, likewise (where the CPU has AMX).
+  "$venv/bin/python" -m kvmesh.model.amx_attention
 }
 
 case "${1:-}" in

@@ -298,6 +298,11 @@ HEAD_DIM = 64
 """The one head size the kernel takes."""
 
 
+def prepare() -> bool:
+    """Build (or find on disk) the kernel now; whether it runs here."""
+    return _ops() is not None
+
+
 def usable(q: torch.Tensor) -> bool:
     """Whether the kernel runs for queries like q: bf16 on a CPU with AMX, head dim 64, no
     autograd to record (k, v and out must then be bf16 too)."""

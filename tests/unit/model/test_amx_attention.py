@@ -133,3 +133,19 @@ def test_paged_attention_uses_it_for_bf16_prefill(chunks, monkeypatch):
     without = run()
     torch.testing.assert_close(with_kernel.float(), without.float(), rtol=0, atol=3e-2)
     assert attention.amx_attention is amx_attention
+
+
+@pytest.mark.parametrize("dtype, builds", [("bfloat16", True), ("float32", False)])
+def test_a_bf16_engine_builds_the_kernel_at_start(dtype, builds, tmp_path, monkeypatch):
+    """build_core builds (or finds) the kernel while the engine starts when it serves bf16 on
+    CPU, so the first prompt does not wait for a compiler; other dtypes never touch it."""
+    from engine_utils import make_tiny_checkpoint
+    from kvmesh.services.engine.build import build_core
+    from kvmesh.services.engine.config import EngineConfig
+
+    folder = make_tiny_checkpoint(tmp_path, num_layers=1)
+    calls = []
+    monkeypatch.setattr(amx_attention, "prepare", lambda: calls.append(1) or True)
+    build_core(EngineConfig(model=str(folder), dtype=dtype, num_blocks=8, block_size=16,
+                            max_num_batched_tokens=16, max_num_seqs=2))
+    assert calls == ([1] if builds else [])
