@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from kvmesh.model.gguf_amx import AMX_TILE_SOURCE
 from kvmesh.model.native import NativeModule, load_extension
 
 log = logging.getLogger(__name__)
@@ -41,32 +42,10 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
+""" + AMX_TILE_SOURCE + r"""
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define KVMESH_AMX 1
-
-static bool amx_ready() {
-  static const bool ok = [] {
-    const char* env = getenv("KVMESH_AMX");
-    if (env && env[0] == '0') return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-static void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-  _tile_loadconfig(&cfg);
-}
+#if defined(KVMESH_AMX)
+// Tiles here: 0..1 S^T (scores), 2..3 A (keys), 4..5 B (Q^T), then 0..3 O^T, 6 A (V^T), 7 B (P^T).
 
 // 2^x for finite x <= 0: x = n + f, |f| <= 1/2, 2^f by a degree-3 polynomial fitted for
 // relative error (< 8e-5, under the bf16 rounding the weights get next), scaled by 2^n (0 far

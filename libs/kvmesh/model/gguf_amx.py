@@ -24,7 +24,7 @@ their block sums go through L1 to the scale FMAs, which run beside the next bloc
 """
 from __future__ import annotations
 
-AMX_SOURCE = r"""
+AMX_TILE_SOURCE = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -47,12 +47,21 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes: 0..3 the accumulators, 4..5 A (x pieces), 6..7 B (codes).
+// Every tile 16 rows of 64 bytes (what each kernel keeps in which tile: at the kernel).
 static void amx_configure() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
   _tile_loadconfig(&cfg);
 }
+#endif
+"""
+"""The tile unit's set-up, shared by the AMX kernels (this one and kvmesh.model.amx_attention):
+where the compiler targets AMX-BF16 it defines KVMESH_AMX, ``amx_ready()`` (Linux granted the
+tile state and KVMESH_AMX is not 0) and ``amx_configure()`` (8 tiles of 16 rows x 64 bytes)."""
+
+AMX_SOURCE = AMX_TILE_SOURCE + r"""
+#if defined(KVMESH_AMX)
+// Tiles here: 0..3 the accumulators, 4..5 A (x pieces), 6..7 B (codes).
 
 static inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
