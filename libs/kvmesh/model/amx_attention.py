@@ -176,12 +176,16 @@ static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
         const int nsb_next = k0 + STEP <= last ? scores(k0 + STEP, sd[(j + 1) & 1]) : 0;
         const int nk = nsb * KB;
         // keys k0 + i are masked for queries before them (only in a step past the block's first
-        // query: the diagonal); every query sees key 0, so each lane has a finite max
+        // query: the diagonal). Masked keys stay out of the max too: a block that straddles a
+        // step has queries that see no key of the last step, and their max must not move (a
+        // masked key's large score would underflow all their weights). Every query sees key 0,
+        // so each lane's max is finite from the first step on.
         const bool diag = k0 + nk - 1 > offset + q0;
         auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
         __m512 mx = _mm512_load_ps(s[0]);
         if (diag) {
-          for (int i = 1; i < nk; ++i) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_load_ps(s[i]));
+          mx = _mm512_set1_ps(-1e30f);
+          for (int i = 0; i < nk; ++i) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_load_ps(s[i]));
         } else {
           for (int i = 1; i < nk; ++i) mx = _mm512_max_ps(mx, _mm512_load_ps(s[i]));
         }

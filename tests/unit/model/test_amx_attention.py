@@ -149,3 +149,23 @@ def test_a_bf16_engine_builds_the_kernel_at_start(dtype, builds, tmp_path, monke
     build_core(EngineConfig(model=str(folder), dtype=dtype, num_blocks=8, block_size=16,
                             max_num_batched_tokens=16, max_num_seqs=2))
     assert calls == ([1] if builds else [])
+
+
+@needs_amx
+@pytest.mark.parametrize("offset", [120, 7])
+def test_a_masked_key_with_a_huge_score_changes_nothing(offset):
+    """A chunk whose 16-query blocks straddle a 128-key step (offset 120: queries 120..127 see
+    no key of the step at 128): a later key whose score dwarfs every other is masked for them,
+    so their outputs stay finite and equal the reference."""
+    g = torch.Generator().manual_seed(4)
+    lq, heads, kvh = 40, 2, 1
+    u = torch.randn(64, generator=g).sign()  # every query points the same way
+    q = (u.expand(lq, heads, 64) + 0.1 * torch.randn(lq, heads, 64, generator=g)).bfloat16()
+    k = (0.3 * torch.randn(offset + lq, kvh, 64, generator=g)).bfloat16()
+    v = torch.randn(offset + lq, kvh, 64, generator=g).bfloat16()
+    k[128 if offset == 120 else offset + 20] = (40 * u).bfloat16()  # score ~320 for every query
+    out = torch.empty_like(q)
+    assert amx_attention.causal_attention_(out, q, k, v, offset, 0.125)
+    exact = reference(q, k, v, offset, 0.125)
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - exact).abs().max().item() < 3e-2
