@@ -60,35 +60,6 @@ static inline __m512 exp2_(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// r[i][j] -> r[j][i] for a 16 x 16 block of floats (one register a row).
-static inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {  // pairs of rows: 2 x 2 blocks of single floats
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
-    const __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int i = 0; i < 4; ++i) {  // 8 x 8, then 16 x 16: whole 128-bit lanes
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
-
 constexpr int D = 64, QB = 16, KB = 32, STEP = 128;
 
 // out [Lq, H, 64] = causal softmax(scale * q k^T) v, queries at positions offset + i; token i's

@@ -535,7 +535,7 @@ def _build_dir() -> Path:
 def _build():
     # -ffp-contract=off: no fused multiply-adds the source does not write (dequantize is bit-exact)
     return load_extension("kvmesh_gguf", _SOURCE, ["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode",
-                                                   "gguf_repack", "gguf_amx"], "gguf-", ("-ffp-contract=off",))
+                                                   "gguf_repack", "gguf_amx", "gguf_amx_two_piece"], "gguf-", ("-ffp-contract=off",))
 
 
 _kernels = NativeModule(lambda: _build(), "GGUF kernels", log)

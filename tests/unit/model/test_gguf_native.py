@@ -150,7 +150,7 @@ def test_repacked_rows_are_the_same_weights_and_the_same_sums(qtype, n, k):
 @pytest.mark.parametrize("qtype, n, k", [(T.Q4_0, 40, 96), (T.Q4_1, 70, 576), (T.Q4_1, 33, 1536), (T.Q4_K, 65, 512)])
 def test_prefill_over_repacked_rows_is_exact_up_to_rounding(qtype, n, k):
     """Many rows of x over repacked 4-bit parts (the AMX path where the CPU has one: x split into
-    three bf16 pieces, codes times pieces summed per block, then scale and offset in fp32) equal
+    three bf16 pieces, against two pieces of each weight or the codes with a per-block scale) equal
     the dequantized weights' matmul within float rounding -- not bf16's -- at row counts that
     fill the tiles and that do not, next to a part the tiles do not take (Q8_0)."""
     blocks = torch.from_numpy(blocks_of(qtype, _weights(n, k, 8)))
@@ -165,6 +165,19 @@ def test_prefill_over_repacked_rows_is_exact_up_to_rounding(qtype, n, k):
         bound = (x.double().abs() @ w.abs().T) * 2e-6  # fp32 rounding; bf16 activations miss it by ~1000x
         assert got.shape == (m, n + 24)
         assert bool(((got.double() - want).abs() <= bound + 1e-30).all()), m
+
+
+@needs_kernels
+def test_fp16_scaled_parts_take_the_two_piece_kernel():
+    """Q4_0 and Q4_1 parts (fp16 scales and offsets: each weight exactly two bf16 numbers) go to
+    the tile unit in two weight pieces with no per-block step; Q4_K's (scale d * sc, up to 17
+    bits) per block. The test above holds both to fp32's bound; this one fails if the fast kernel
+    stopped taking the parts it can, or took one it cannot."""
+    if not ops.gguf_amx():
+        pytest.skip("no tile path on this CPU (or KVMESH_AMX=0)")
+    for qtype, n, k in [(T.Q4_0, 40, 96), (T.Q4_1, 70, 576), (T.Q4_1, 33, 1536), (T.Q4_K, 65, 512)]:
+        packed = _repacked(torch.from_numpy(blocks_of(qtype, _weights(n, k, 8))), qtype, k)
+        assert ops.gguf_amx_two_piece(packed, k) is (qtype != T.Q4_K), qtype
 
 
 @needs_kernels
