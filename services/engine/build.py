@@ -40,8 +40,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
     loaded = serve_layers(loaded, cfg)
     if loaded.device.type == "cpu" and loaded.model_dtype == torch.float32:
         paged_decode_kernel()  # built (or loaded from the cache) now, not on the first decode step
-    elif loaded.device.type == "cpu" and loaded.model_dtype == torch.bfloat16:
-        amx_attention.prepare()  # likewise for bf16 prefill attention, not on the first prompt
+    if loaded.device.type == "cpu" and loaded.model_dtype in amx_attention.DTYPES:
+        amx_attention.prepare()  # likewise for prefill attention, not on the first prompt
     num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
     max_len = cfg.max_model_len or loaded.config.context_length
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size,

@@ -1,10 +1,11 @@
-"""Causal bf16 prefill attention on the AMX tile unit (CPU), for engines running in bf16.
+"""Causal prefill attention on the AMX tile unit (CPU), in bf16 and -- fp32-accurate -- in fp32.
 
 NOTE (why). In the bf16 mode a 2,048-token prompt's forward took ~0.55 s, of which torch's CPU
 flash attention was ~0.29 s (30 layers, 9 query heads over 3 KV heads; one-off timing): its
 q.k and p.v products go through small GEMM calls per block and its softmax works along rows,
 each row needing horizontal max and sum reductions. This kernel computes the same attention with
-the products on the tile unit and a softmax that needs no horizontal work.
+the products on the tile unit and a softmax that needs no horizontal work. In fp32 (the default
+GGUF mode) torch's flash attention was ~1.2 s of a ~2.7 s prompt in 512-token chunks.
 
 NOTE (how). It works on the transposed scores: for 16 queries and 32 keys, S^T [32 keys][16
 queries] = K . Q^T is two TDPBF16PS per 32 head dims (A: 16 key rows of K as they lie, B: the
@@ -15,14 +16,26 @@ as bf16 pairs (the B layout), and O^T [head dims][16 queries] += V^T . P^T on th
 (A: V transposed once per KV head). Keys are taken 128 at a time: one online-softmax rescale
 of O per 128 keys. Numerics are those of a bf16 flash attention (torch's CPU kernel works the
 same way): bf16 q, k, v and weights, fp32 products, sums, softmax and output accumulator, the
-output rounded to bf16 once; the exponential is 2^x by a degree-5 polynomial after range
-reduction (relative error ~2e-6, under bf16's 4e-3).
+output rounded to bf16 once; the exponential is 2^x by a degree-3 polynomial after range
+reduction (relative error < 8e-5, under bf16's 4e-3).
+
+NOTE (fp32). The same scheme, with no value rounded to fewer bits than fp32: q, k, v and the
+weights are each split into three bf16 numbers that sum to them exactly (8 + 8 + 8 significant
+bits), and each dot product takes six of the nine piece products (1·1, 1·2, 2·1, 1·3, 3·1,
+2·2). The three left out are each below 2^-24 of |a·b|: fp32's own rounding of one product.
+Sums, softmax and the accumulator are fp32, and 2^x is a degree-6 polynomial within 1e-7 (~2
+ulp). The tests hold it within torch's own fp32 SDPA error of SDPA in fp64. Six products for one
+make the tile work 6x bf16's; K and V are split once per call into per-head piece arrays (in
+buffers the calling thread keeps), and tiles 6 and 7 alternate as A so one loads while the other
+is in use. One-off, in process, 9 query heads over 3 KV heads: a 512-token chunk at offsets 0 /
+512 / 1,536 took ~1.9 / 4.8 / 11.1 ms against SDPA's ~3.5 / 7.3 / 16.0 ms.
 
 NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` against keys
 ``0 .. offset + Lq - 1`` (a prompt's first chunk, or a later chunk over its gathered context);
-head dim 64; GQA by query-head groups. Where it does not apply (other head dims, sliding
-windows, fp32, no AMX, ``KVMESH_AMX=0``, no compiler) the caller runs torch's SDPA. Tasks are
-(query head, block of 16 queries), longest first, over the calling thread's OpenMP team.
+head dim 64; GQA by query-head groups; q, k, v all bf16 or all fp32. Where it does not apply
+(other head dims or dtypes, sliding windows, no AMX, ``KVMESH_AMX=0``, no compiler) the caller
+runs torch's SDPA. Tasks are (query head, block of 16 queries), longest first, over the calling
+thread's OpenMP team (fp32: one KV head's query heads after another, so its pieces stay in L2).
 """
 from __future__ import annotations
 
@@ -205,6 +218,212 @@ static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     _tile_release();
   }
 }
+
+// 2^x for finite x <= 0 to fp32 accuracy: 2^f by a degree-6 polynomial (relative error < 1e-7,
+// ~1.6 ulp), scaled by 2^n.
+static inline __m512 exp2_f32(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5345806605e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399932068e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184890717e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503286421e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// fp32 causal attention, as amx_causal but fp32-accurate (NOTE (fp32)): q, k, v, p as three
+// bf16 pieces each, six products per dot product. Tiles: 0..1 S^T, 2..3 A (key pieces), 4..6 B
+// (Q^T pieces); then 0..3 O^T, 6 A (V^T piece), 4, 5, 7 B (P^T pieces).
+static void amx_causal_f32(const float* q, const float* k, const float* v, float* out,
+                           int64_t sq, int64_t sk, int64_t sv, int64_t so,
+                           int64_t Lq, int64_t Lk, int64_t H, int64_t KVH, int64_t offset, float scale) {
+  const int64_t G = H / KVH, Lp = (Lk + STEP - 1) / STEP * STEP, nqb = (Lq + QB - 1) / QB;
+  const int64_t Ls = Lp + 32, nkb = Lp / KB;
+  // per KV head and piece i: K_i [Lp][64] and V^T_i [64][Ls] (keys past Lk zero), in buffers
+  // the calling thread keeps (no page faults per call)
+  thread_local std::vector<uint16_t> kbuf, vbuf;
+  if ((int64_t)kbuf.size() < KVH * 3 * Lp * D) kbuf.resize(KVH * 3 * Lp * D);
+  if ((int64_t)vbuf.size() < KVH * 3 * D * Ls) vbuf.resize(KVH * 3 * D * Ls);
+  uint16_t* const Kc = kbuf.data();
+  uint16_t* const Vt = vbuf.data();
+  const int64_t L16 = (Lk + 15) / 16 * 16;  // V^T columns up to here are written below
+  #pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t jb = 0; jb < nkb; ++jb)
+  for (int64_t h = 0; h < KVH; ++h) {
+    const int64_t j0 = jb * KB, nj = std::min<int64_t>(KB, Lk - j0);
+    if (nj < KB)  // the tail: zero keys (their weights are 0, and 0 * stale bits could be NaN)
+      for (int i = 0; i < 3; ++i) {
+        const int64_t from = std::max<int64_t>(j0, Lk);
+        std::memset(Kc + ((h * 3 + i) * Lp + from) * D, 0, (j0 + KB - from) * D * 2);
+        const int64_t c0 = std::max<int64_t>(j0, L16);
+        for (int d = 0; d < D && c0 < j0 + KB; ++d) std::memset(Vt + ((h * 3 + i) * D + d) * Ls + c0, 0, (j0 + KB - c0) * 2);
+      }
+    if (nj <= 0) continue;
+    for (int64_t j = 0; j < nj; ++j)
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m256i p[3];
+        split3(_mm512_loadu_ps(k + (j0 + j) * sk + h * D + d0), p[0], p[1], p[2]);
+        for (int i = 0; i < 3; ++i)
+          _mm256_storeu_si256((__m256i*)(Kc + ((h * 3 + i) * Lp + j0 + j) * D + d0), p[i]);
+      }
+    // V^T: 16 keys x 16 dims at a time through a register transpose, then split
+    for (int64_t j1 = 0; j1 < nj; j1 += 16)
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int n = 0; n < 16; ++n)
+          r[n] = j1 + n < nj ? _mm512_loadu_ps(v + (j0 + j1 + n) * sv + h * D + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int dd = 0; dd < 16; ++dd) {
+          __m256i p[3];
+          split3(r[dd], p[0], p[1], p[2]);
+          for (int i = 0; i < 3; ++i)
+            _mm256_storeu_si256((__m256i*)(Vt + (h * 3 + i) * D * Ls + (d0 + dd) * Ls + j0 + j1), p[i]);
+        }
+      }
+  }
+  const float c = scale * 1.4426950408889634f;  // scores in base 2
+  #pragma omp parallel
+  {
+    amx_configure();
+    alignas(64) uint32_t qp[3][2][16][16];       // B tiles: Q^T piece i of 16 queries, per 32 dims
+    alignas(64) uint16_t qw[3][16][D];           // the queries' pieces as rows
+    alignas(64) float sd[2][STEP][QB];           // S^T of two steps (the pipeline)
+    alignas(64) uint32_t pp[3][STEP / KB][16][16];  // B tiles: P^T pieces as bf16 pairs of keys
+    alignas(64) float o[D][QB];
+    alignas(64) float t[D][QB];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pairs = _mm512_load_si512(order);
+    const __m512 vc = _mm512_set1_ps(c);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * nqb; ++task) {
+      // one KV head after another (its pieces stay in L2), longest first within it
+      const int64_t hk = task / (G * nqb), qb = nqb - 1 - task % (G * nqb) / G, hq = hk * G + task % G;
+      const int64_t q0 = qb * QB, nq = std::min<int64_t>(QB, Lq - q0);
+      for (int n = 0; n < 16; ++n)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          __m256i p[3];
+          split3(n < nq ? _mm512_loadu_ps(q + (q0 + n) * sq + hq * D + d0) : _mm512_setzero_ps(), p[0], p[1], p[2]);
+          for (int i = 0; i < 3; ++i) _mm256_store_si256((__m256i*)(qw[i][n] + d0), p[i]);
+        }
+      for (int i = 0; i < 3; ++i)
+        for (int cc = 0; cc < 2; ++cc)
+          for (int r = 0; r < 16; ++r)
+            for (int n = 0; n < 16; ++n)
+              qp[i][cc][r][n] = (uint32_t)qw[i][n][32 * cc + 2 * r] | ((uint32_t)qw[i][n][32 * cc + 2 * r + 1] << 16);
+      const uint16_t* kc = Kc + hk * 3 * Lp * D;
+      const uint16_t* vt = Vt + hk * 3 * D * Ls;
+      const int64_t last = offset + q0 + nq - 1;
+      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + q0)));
+      __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
+      for (int d = 0; d < D; ++d) _mm512_store_ps(o[d], _mm512_setzero_ps());
+      // S^T: k_1 q_1, k_1 q_2, k_1 q_3, k_2 q_1, k_2 q_2, k_3 q_1 (the three left out are below
+      // 2^-24 of |k q| each)
+      // S^T, two sub-blocks of 32 keys at a time (four accumulators: keys 16 g .. 16 g + 15)
+// A pair of A tiles (6, 7: groups g, g + 1 of 16 keys of piece i) against B tiles Ba, Bb.
+#define KVMESH_QK2(i, g, g1, Ba, Bb) \
+  _tile_loadd(6, kr + (i) * Lp * D + (g) * 16 * D, D * 2); _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D + 16 * D, D * 2); \
+  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba); _tile_dpbf16ps(g, 6, Bb); _tile_dpbf16ps(g1, 7, Bb);
+#define KVMESH_QK1(i, g, g1, Ba) \
+  _tile_loadd(6, kr + (i) * Lp * D + (g) * 16 * D, D * 2); _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D + 16 * D, D * 2); \
+  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba);
+      // S^T, two sub-blocks of 32 keys at a time: four accumulators (keys 16 g .. 16 g + 15), A
+      // tiles 6 and 7 (one loads while the other is in use), B tiles 4 and 5 (query pieces).
+      // Products k_1 q_1, k_1 q_2, k_1 q_3, k_2 q_1, k_2 q_2, k_3 q_1 (the three left out are
+      // each below 2^-24 of |k q|).
+      auto scores = [&](int64_t k0, float (*sbuf)[QB]) __attribute__((always_inline)) {
+        const int nsb = (int)std::min<int64_t>(STEP / KB, (last - k0) / KB + 1);
+        for (int sb = 0; sb < nsb; sb += 2) {  // (an odd last sub-block computes one more: zero keys)
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int cc = 0; cc < 2; ++cc) {
+            const uint16_t* kr = kc + (k0 + sb * KB) * D + 32 * cc;
+            _tile_loadd(4, qp[0][cc], 64); _tile_loadd(5, qp[1][cc], 64);
+            KVMESH_QK2(0, 0, 1, 4, 5) KVMESH_QK2(0, 2, 3, 4, 5) KVMESH_QK2(1, 0, 1, 4, 5) KVMESH_QK2(1, 2, 3, 4, 5)
+            KVMESH_QK1(2, 0, 1, 4) KVMESH_QK1(2, 2, 3, 4)
+            _tile_loadd(5, qp[2][cc], 64);
+            KVMESH_QK1(0, 0, 1, 5) KVMESH_QK1(0, 2, 3, 5)
+          }
+          _tile_stored(0, sbuf[sb * KB], 64); _tile_stored(1, sbuf[sb * KB + 16], 64);
+          _tile_stored(2, sbuf[sb * KB + 32], 64); _tile_stored(3, sbuf[sb * KB + 48], 64);
+        }
+        return nsb;
+      };
+#undef KVMESH_QK2
+#undef KVMESH_QK1
+      int nsb = scores(0, sd[0]);
+      for (int64_t k0 = 0, j = 0; k0 <= last; k0 += STEP, ++j) {
+        float (*s)[QB] = sd[j & 1];
+        const int nsb_next = k0 + STEP <= last ? scores(k0 + STEP, sd[(j + 1) & 1]) : 0;
+        const int nk = nsb * KB;
+        const bool diag = k0 + nk - 1 > offset + q0;  // masked keys: as in amx_causal
+        auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
+        __m512 mx = _mm512_load_ps(s[0]);
+        if (diag) {
+          mx = _mm512_set1_ps(-1e30f);
+          for (int i = 0; i < nk; ++i) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_load_ps(s[i]));
+        } else {
+          for (int i = 1; i < nk; ++i) mx = _mm512_max_ps(mx, _mm512_load_ps(s[i]));
+        }
+        const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(mx, vc));
+        const __m512 alpha = exp2_f32(_mm512_sub_ps(m, mnew));
+        m = mnew;
+        const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        for (int i = 0; i < nk; i += 2) {
+          __m512 p0 = exp2_f32(_mm512_fmadd_ps(_mm512_load_ps(s[i]), vc, negm));
+          __m512 p1 = exp2_f32(_mm512_fmadd_ps(_mm512_load_ps(s[i + 1]), vc, negm));
+          if (diag) { p0 = _mm512_maskz_mov_ps(valid(i), p0); p1 = _mm512_maskz_mov_ps(valid(i + 1), p1); }
+          sum0 = _mm512_add_ps(sum0, p0);
+          sum1 = _mm512_add_ps(sum1, p1);
+          __m256i a0[3], a1[3];  // pieces of the two keys' weights, paired as the B layout wants
+          split3(p0, a0[0], a0[1], a0[2]);
+          split3(p1, a1[0], a1[1], a1[2]);
+          for (int pc = 0; pc < 3; ++pc) {
+            const __m512i w = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a0[pc]), a1[pc], 1));
+            _mm512_store_si512(pp[pc][i / KB][(i % KB) / 2], w);
+          }
+        }
+        l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
+// V^T piece i, dims 16 g .. 16 g + 31 (A tiles 6, 7), against P^T pieces in Ba, Bb.
+#define KVMESH_PV2(i, g, g1, Ba, Bb) \
+  _tile_loadd(6, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls + 16 * Ls, Ls * 2); \
+  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba); _tile_dpbf16ps(g, 6, Bb); _tile_dpbf16ps(g1, 7, Bb);
+#define KVMESH_PV1(i, g, g1, Ba) \
+  _tile_loadd(6, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls + 16 * Ls, Ls * 2); \
+  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba);
+        // O^T += V^T P^T: v_1 p_1, v_1 p_2, v_1 p_3, v_2 p_1, v_2 p_2, v_3 p_1
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int sb = 0; sb < nsb; ++sb) {
+          const uint16_t* va = vt + k0 + sb * KB;
+          _tile_loadd(4, pp[0][sb], 64); _tile_loadd(5, pp[1][sb], 64);
+          KVMESH_PV2(0, 0, 1, 4, 5) KVMESH_PV2(0, 2, 3, 4, 5) KVMESH_PV2(1, 0, 1, 4, 5) KVMESH_PV2(1, 2, 3, 4, 5)
+          KVMESH_PV1(2, 0, 1, 4) KVMESH_PV1(2, 2, 3, 4)
+          _tile_loadd(5, pp[2][sb], 64);
+          KVMESH_PV1(0, 0, 1, 5) KVMESH_PV1(0, 2, 3, 5)
+        }
+#undef KVMESH_PV2
+#undef KVMESH_PV1
+        _tile_stored(0, t[0], 64); _tile_stored(1, t[16], 64);
+        _tile_stored(2, t[32], 64); _tile_stored(3, t[48], 64);
+        for (int d = 0; d < D; ++d)
+          _mm512_store_ps(o[d], _mm512_fmadd_ps(_mm512_load_ps(o[d]), alpha, _mm512_load_ps(t[d])));
+        nsb = nsb_next;
+      }
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(_mm512_load_ps(o[d0 + i]), inv);
+        transpose16(r);
+        for (int n = 0; n < nq; ++n) _mm512_storeu_ps(out + (q0 + n) * so + hq * D + d0, r[n]);
+      }
+    }
+    _tile_release();
+  }
+}
 #endif
 
 bool available() {
@@ -215,21 +434,27 @@ bool available() {
 #endif
 }
 
-static void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kBFloat16 && t.dim() == 3 && t.size(2) == 64 && t.stride(2) == 1 && t.stride(1) == 64,
-              "causal_attention: ", what, " must be bf16 [tokens, heads, 64], each token's heads contiguous");
+static void check_rows(const torch::Tensor& t, const torch::Tensor& q, const char* what) {
+  TORCH_CHECK((t.dtype() == torch::kBFloat16 || t.dtype() == torch::kFloat32) && t.dtype() == q.dtype() && t.dim() == 3
+                  && t.size(2) == 64 && t.stride(2) == 1 && t.stride(1) == 64,
+              "causal_attention: ", what, " must be [tokens, heads, 64] in q's dtype (bf16 or fp32), each token's heads contiguous");
 }
 
-// out [Lq, H, 64] = causal attention of q [Lq, H, 64] over k, v [Lk, KVH, 64] (bf16; each
-// token's heads contiguous, tokens at any stride), Lk = offset + Lq.
+// out [Lq, H, 64] = causal attention of q [Lq, H, 64] over k, v [Lk, KVH, 64] (all bf16 or all
+// fp32; each token's heads contiguous, tokens at any stride), Lk = offset + Lq.
 void causal_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t offset, double scale) {
-  check_rows(out, "out"); check_rows(q, "q"); check_rows(k, "k"); check_rows(v, "v");
+  check_rows(out, q, "out"); check_rows(q, q, "q"); check_rows(k, q, "k"); check_rows(v, q, "v");
   TORCH_CHECK(out.sizes() == q.sizes(), "causal_attention: out must be shaped like q");
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(1) % k.size(1) == 0, "causal_attention: k, v alike; H a multiple of KVH");
   TORCH_CHECK(offset >= 0 && k.size(0) == offset + q.size(0), "causal_attention: Lk must be offset + Lq");
 #if defined(KVMESH_AMX)
   TORCH_CHECK(amx_ready(), "causal_attention: no AMX tile state here");
-  if (q.size(0) > 0)
+  if (q.size(0) == 0) return;
+  if (q.dtype() == torch::kFloat32)
+    amx_causal_f32(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+                   q.stride(0), k.stride(0), v.stride(0), out.stride(0), q.size(0), k.size(0), q.size(1), k.size(1),
+                   offset, (float)scale);
+  else
     amx_causal((const uint16_t*)q.data_ptr(), (const uint16_t*)k.data_ptr(), (const uint16_t*)v.data_ptr(),
                (uint16_t*)out.data_ptr(), q.stride(0), k.stride(0), v.stride(0), out.stride(0),
                q.size(0), k.size(0), q.size(1), k.size(1), offset, (float)scale);
@@ -251,6 +476,9 @@ _ops = _kernels.get
 HEAD_DIM = 64
 """The one head size the kernel takes."""
 
+DTYPES = (torch.bfloat16, torch.float32)
+"""bf16 (a bf16 flash attention's numerics) and fp32 (fp32-accurate: NOTE (fp32))."""
+
 
 def prepare() -> bool:
     """Build (or find on disk) the kernel now; whether it runs here."""
@@ -258,20 +486,20 @@ def prepare() -> bool:
 
 
 def usable(q: torch.Tensor) -> bool:
-    """Whether the kernel runs for queries like q: bf16 on a CPU with AMX, head dim 64, no
-    autograd to record (k, v and out must then be bf16 too)."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3 and q.shape[-1] == HEAD_DIM
+    """Whether the kernel runs for queries like q: bf16 or fp32 on a CPU with AMX, head dim 64, no
+    autograd to record (k, v and out must then have q's dtype too)."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and q.dim() == 3 and q.shape[-1] == HEAD_DIM
             and not (torch.is_grad_enabled() and q.requires_grad) and _ops() is not None)
 
 
 def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
                       scale: float) -> bool:
     """out [Lq, H, 64] = causal attention of q [Lq, H, 64] (positions offset..offset+Lq-1) over
-    k, v [Lk, KVH, 64] (Lk = offset + Lq), bf16, on the tile unit; False (nothing written) where
+    k, v [Lk, KVH, 64] (Lk = offset + Lq), all bf16 or all fp32, on the tile unit; False (nothing written) where
     the kernel does not apply and the caller runs SDPA. Tokens may lie at any stride (q, k, v
     as slices of a fused projection); each token's heads must be contiguous."""
     tensors = (out, q, k, v)
-    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 3 or t.shape[-1] != HEAD_DIM
+    if any(t.device.type != "cpu" or t.dtype != q.dtype or q.dtype not in DTYPES or t.dim() != 3 or t.shape[-1] != HEAD_DIM
            or t.stride(2) != 1 or t.stride(1) != HEAD_DIM for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

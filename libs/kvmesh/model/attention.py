@@ -298,7 +298,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qs = q[p.start:p.start + p.q_len]  # [q, heads, hd]
         window_mask = meta.window_prefill_mask(i, window) if window is not None else None
         if window_mask is None and amx_attention.usable(q):
-            # bf16 on CPU with AMX: causal attention on the tile unit (kvmesh.model.amx_attention)
+            # bf16 or fp32 on CPU with AMX: causal attention on the tile unit (kvmesh.model.amx_attention)
             if p.blocks is None:
                 ks, vs = k[p.start:p.start + p.q_len], v[p.start:p.start + p.q_len]
             else:

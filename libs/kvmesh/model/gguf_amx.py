@@ -70,6 +70,16 @@ static void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
+static inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// v = a + b + c exactly, each bf16 (a = bf16(v), b = bf16(v - a), c = v - a - b).
+static inline void split3(__m512 v, __m256i& a, __m256i& b, __m256i& c) {
+  a = (__m256i)_mm512_cvtneps_pbh(v);
+  const __m512 r1 = _mm512_sub_ps(v, bf16_widen(a));
+  b = (__m256i)_mm512_cvtneps_pbh(r1);
+  c = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r1, bf16_widen(b)));
+}
+
 // r[i][j] -> r[j][i] for a 16 x 16 block of floats (one register a row).
 static inline void transpose16(__m512 r[16]) {
   __m512 t[16];
@@ -106,16 +116,6 @@ tile state and KVMESH_AMX is not 0) and ``amx_configure()`` (8 tiles of 16 rows 
 
 AMX_SOURCE = AMX_TILE_SOURCE + r"""
 #if defined(KVMESH_AMX)
-static inline __m512 bf16_widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-// v = a + b + c exactly, each bf16 (a = bf16(v), b = bf16(v - a), c = v - a - b).
-static inline void split3(__m512 v, __m256i& a, __m256i& b, __m256i& c) {
-  a = (__m256i)_mm512_cvtneps_pbh(v);
-  const __m512 r1 = _mm512_sub_ps(v, bf16_widen(a));
-  b = (__m256i)_mm512_cvtneps_pbh(r1);
-  c = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r1, bf16_widen(b)));
-}
-
 // Blocks along K of the tile work: nblk = K / 32 of x, then ceil(nblk / 32) of x's block sums.
 static inline int64_t tile_blocks(int64_t K) { return K / 32 + (K / 32 + 31) / 32; }
 
