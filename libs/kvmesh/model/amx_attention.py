@@ -28,7 +28,7 @@ ulp). The tests hold it within torch's own fp32 SDPA error of SDPA in fp64. Six 
 make the tile work 6x bf16's; K and V are split once per call into per-head piece arrays (in
 buffers the calling thread keeps), and tiles 6 and 7 alternate as A so one loads while the other
 is in use. One-off, in process, 9 query heads over 3 KV heads: a 512-token chunk at offsets 0 /
-512 / 1,536 took ~1.9 / 4.8 / 11.1 ms against SDPA's ~3.5 / 7.3 / 16.0 ms.
+512 / 1,536 took ~1.9 / 4.7 / 10.2 ms against SDPA's ~3.4 / 7.0 / 15.0 ms.
 
 NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` against keys
 ``0 .. offset + Lq - 1`` (a prompt's first chunk, or a later chunk over its gathered context);
@@ -73,7 +73,41 @@ static inline __m512 exp2_(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for finite x <= 0 to fp32 accuracy: 2^f by a degree-6 polynomial (relative error < 1e-7,
+// ~1.6 ulp), scaled by 2^n.
+static inline __m512 exp2_f32(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5345806605e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399932068e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184890717e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503286421e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 constexpr int D = 64, QB = 16, KB = 32, STEP = 128;
+
+// A step's running max m (base-2 units) over its nk keys' scores s[key][query] -- in a diagonal
+// step only over the keys each query sees -- and the factor 2^(m_old - m_new) for what came
+// before (0 at the first step, m = -1e30).
+template <__m512 (*EXP2)(__m512)>
+static inline __m512 step_max(const float (*s)[QB], int nk, bool diag, __m512i qpos, int64_t k0, __m512 vc, __m512& m) {
+  __m512 mx = _mm512_load_ps(s[0]);
+  if (diag) {
+    mx = _mm512_set1_ps(-1e30f);
+    for (int i = 0; i < nk; ++i)
+      mx = _mm512_mask_max_ps(mx, _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))), mx, _mm512_load_ps(s[i]));
+  } else {
+    for (int i = 1; i < nk; ++i) mx = _mm512_max_ps(mx, _mm512_load_ps(s[i]));
+  }
+  const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(mx, vc));
+  const __m512 alpha = EXP2(_mm512_sub_ps(m, mnew));
+  m = mnew;
+  return alpha;
+}
 
 // out [Lq, H, 64] = causal softmax(scale * q k^T) v, queries at positions offset + i; token i's
 // heads start at q + i * sq (k + i * sk, v + i * sv, out + i * so), 64 apart.
@@ -166,16 +200,7 @@ static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
         // so each lane's max is finite from the first step on.
         const bool diag = k0 + nk - 1 > offset + q0;
         auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
-        __m512 mx = _mm512_load_ps(s[0]);
-        if (diag) {
-          mx = _mm512_set1_ps(-1e30f);
-          for (int i = 0; i < nk; ++i) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_load_ps(s[i]));
-        } else {
-          for (int i = 1; i < nk; ++i) mx = _mm512_max_ps(mx, _mm512_load_ps(s[i]));
-        }
-        const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(mx, vc));  // base-2 units
-        const __m512 alpha = exp2_(_mm512_sub_ps(m, mnew));  // 0 at the first step (m = -1e30)
-        m = mnew;
+        const __m512 alpha = step_max<exp2_>(s, nk, diag, qpos, k0, vc, m);
         const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
         __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
         for (int i = 0; i < nk; i += 2) {
@@ -219,21 +244,6 @@ static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
   }
 }
 
-// 2^x for finite x <= 0 to fp32 accuracy: 2^f by a degree-6 polynomial (relative error < 1e-7,
-// ~1.6 ulp), scaled by 2^n.
-static inline __m512 exp2_f32(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5345806605e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399932068e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184890717e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503286421e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // fp32 causal attention, as amx_causal but fp32-accurate (NOTE (fp32)): q, k, v, p as three
 // bf16 pieces each, six products per dot product. Tiles: 0..1 S^T, 2..3 A (key pieces), 4..6 B
 // (Q^T pieces); then 0..3 O^T, 6 A (V^T piece), 4, 5, 7 B (P^T pieces).
@@ -254,33 +264,38 @@ static void amx_causal_f32(const float* q, const float* k, const float* v, float
   for (int64_t jb = 0; jb < nkb; ++jb)
   for (int64_t h = 0; h < KVH; ++h) {
     const int64_t j0 = jb * KB, nj = std::min<int64_t>(KB, Lk - j0);
+    // (locals: the stores below may alias anything, and the team's shared copies would be re-read)
+    const float* const kk = k; const float* const vv = v;
+    uint16_t* const Kh = Kc + h * 3 * Lp * D;
+    uint16_t* const Vh = Vt + h * 3 * D * Ls;
+    const int64_t ksk = sk, vsv = sv, lp = Lp, ls = Ls;
     if (nj < KB)  // the tail: zero keys (their weights are 0, and 0 * stale bits could be NaN)
       for (int i = 0; i < 3; ++i) {
         const int64_t from = std::max<int64_t>(j0, Lk);
-        std::memset(Kc + ((h * 3 + i) * Lp + from) * D, 0, (j0 + KB - from) * D * 2);
+        std::memset(Kh + (i * lp + from) * D, 0, (j0 + KB - from) * D * 2);
         const int64_t c0 = std::max<int64_t>(j0, L16);
-        for (int d = 0; d < D && c0 < j0 + KB; ++d) std::memset(Vt + ((h * 3 + i) * D + d) * Ls + c0, 0, (j0 + KB - c0) * 2);
+        for (int d = 0; d < D && c0 < j0 + KB; ++d) std::memset(Vh + (i * D + d) * ls + c0, 0, (j0 + KB - c0) * 2);
       }
     if (nj <= 0) continue;
     for (int64_t j = 0; j < nj; ++j)
       for (int d0 = 0; d0 < D; d0 += 16) {
         __m256i p[3];
-        split3(_mm512_loadu_ps(k + (j0 + j) * sk + h * D + d0), p[0], p[1], p[2]);
+        split3(_mm512_loadu_ps(kk + (j0 + j) * ksk + h * D + d0), p[0], p[1], p[2]);
         for (int i = 0; i < 3; ++i)
-          _mm256_storeu_si256((__m256i*)(Kc + ((h * 3 + i) * Lp + j0 + j) * D + d0), p[i]);
+          _mm256_storeu_si256((__m256i*)(Kh + (i * lp + j0 + j) * D + d0), p[i]);
       }
     // V^T: 16 keys x 16 dims at a time through a register transpose, then split
     for (int64_t j1 = 0; j1 < nj; j1 += 16)
       for (int d0 = 0; d0 < D; d0 += 16) {
         __m512 r[16];
         for (int n = 0; n < 16; ++n)
-          r[n] = j1 + n < nj ? _mm512_loadu_ps(v + (j0 + j1 + n) * sv + h * D + d0) : _mm512_setzero_ps();
+          r[n] = j1 + n < nj ? _mm512_loadu_ps(vv + (j0 + j1 + n) * vsv + h * D + d0) : _mm512_setzero_ps();
         transpose16(r);
         for (int dd = 0; dd < 16; ++dd) {
           __m256i p[3];
           split3(r[dd], p[0], p[1], p[2]);
           for (int i = 0; i < 3; ++i)
-            _mm256_storeu_si256((__m256i*)(Vt + (h * 3 + i) * D * Ls + (d0 + dd) * Ls + j0 + j1), p[i]);
+            _mm256_storeu_si256((__m256i*)(Vh + (i * D + d0 + dd) * ls + j0 + j1), p[i]);
         }
       }
   }
@@ -361,16 +376,7 @@ static void amx_causal_f32(const float* q, const float* k, const float* v, float
         const int nk = nsb * KB;
         const bool diag = k0 + nk - 1 > offset + q0;  // masked keys: as in amx_causal
         auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
-        __m512 mx = _mm512_load_ps(s[0]);
-        if (diag) {
-          mx = _mm512_set1_ps(-1e30f);
-          for (int i = 0; i < nk; ++i) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_load_ps(s[i]));
-        } else {
-          for (int i = 1; i < nk; ++i) mx = _mm512_max_ps(mx, _mm512_load_ps(s[i]));
-        }
-        const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(mx, vc));
-        const __m512 alpha = exp2_f32(_mm512_sub_ps(m, mnew));
-        m = mnew;
+        const __m512 alpha = step_max<exp2_f32>(s, nk, diag, qpos, k0, vc, m);
         const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
         __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
         for (int i = 0; i < nk; i += 2) {
