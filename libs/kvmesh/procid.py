@@ -142,20 +142,30 @@ def terminate(recorded: ProcessIdentity, expect: Callable[[tuple[str, ...]], boo
 def _terminate_by_pid(recorded: ProcessIdentity, expect: Callable[[tuple[str, ...]], bool],
                       timeout_s: float) -> Check:
     """`terminate` without a pidfd: the record is checked again right before each signal, which
-    leaves only the instant between that check and the signal open to pid reuse."""
+    leaves only the instant between that check and the signal open to pid reuse. After a signal
+    it waits for the process it signalled (same pid, same start time) to be gone: an exiting
+    process shows an empty command line for a moment before it turns zombie, which `check`
+    would call stale."""
     found = check(recorded, expect)
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, _KILL_WAIT_S)):
-        if check(recorded, expect).state is not Liveness.RUNNING:
+        live = ProcessIdentity.of(recorded.pid)
+        if live is None or check(recorded, expect).state is not Liveness.RUNNING:
             break
         os.kill(recorded.pid, sig)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             _reap(recorded.pid)
-            if check(recorded, expect).state is not Liveness.RUNNING:
+            if not _still_runs(live):
                 break
             time.sleep(0.05)  # polling another process's exit: no handle to wait on
     _reap(recorded.pid)
     return found
+
+
+def _still_runs(signalled: ProcessIdentity) -> bool:
+    """Whether the process that was signalled (its pid and start time) is neither gone nor a zombie."""
+    stat = _stat_fields(signalled.pid)
+    return stat is not None and stat[0] not in ("Z", "X") and int(stat[19]) == signalled.start_ticks
 
 
 def _reap(pid: int) -> None:

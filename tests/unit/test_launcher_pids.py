@@ -173,3 +173,44 @@ def test_the_same_start_time_with_another_command_line_is_stale(stranger):
     assert found.state is Liveness.STALE and "now runs another command (sleep 300)" in found.note
     assert launcher.stop_service(svc, timeout_s=1).state is Liveness.STALE
     assert stranger.poll() is None and not _pending_sigterm(stranger.pid)
+
+
+def test_without_a_pidfd_down_waits_through_an_exit_in_progress(tmp_path, monkeypatch):
+    """An exiting process shows an empty command line before it turns zombie: the wait after
+    SIGTERM goes on until it is a zombie, instead of taking the empty line for another command."""
+    from kvmesh import procid
+    argv = ("sleep", "300")
+    entry = tmp_path / "4242"
+    entry.mkdir()
+
+    def show(state: str, cmdline: tuple[str, ...]) -> None:
+        (entry / "stat").write_text(f"4242 (sleep) {state} " + " ".join(["0"] * 18) + " 777 0\n")
+        (entry / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in cmdline))
+
+    sent, sleeps = [], []
+
+    def kill(pid: int, sig: int) -> None:
+        sent.append((pid, sig))
+        show("R", ())  # exit has begun: the memory (and command line) is gone, not yet a zombie
+
+    def sleep(_s: float) -> None:
+        sleeps.append(_s)
+        show("Z", ())
+
+    show("S", argv)
+    monkeypatch.setattr(procid, "PROC", tmp_path)
+    def no_pidfd(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, "pidfd_open")
+
+    monkeypatch.setattr(procid.os, "pidfd_open", no_pidfd)
+    monkeypatch.setattr(procid.os, "kill", kill)
+    monkeypatch.setattr(procid.time, "sleep", sleep)
+    monkeypatch.setattr(procid, "_reap", lambda pid: None)
+    record = ProcessIdentity(4242, 777, argv)
+    assert ProcessIdentity.of(4242) == record
+
+    found = procid.terminate(record, lambda cmdline: False, timeout_s=5.0)
+
+    assert found.state is Liveness.RUNNING
+    assert sent == [(4242, signal.SIGTERM)]  # it exited on SIGTERM: no SIGKILL
+    assert len(sleeps) == 1 and ProcessIdentity.of(4242) is None  # waited until it was a zombie
