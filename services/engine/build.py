@@ -48,7 +48,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
                          graph_batch_sizes=cuda_graph_sizes(cfg, loaded), max_model_len=max_len)
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=max_len, block_size=cfg.block_size, max_waiting=cfg.max_waiting)
+        solo_prefill_tokens=cfg.solo_prefill_tokens, max_model_len=max_len, block_size=cfg.block_size,
+        max_waiting=cfg.max_waiting)
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, namespace=engine_namespace(loaded),

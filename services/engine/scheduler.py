@@ -22,6 +22,10 @@ class SchedulerConfig:
     """Most sequences running (holding KV blocks) at once."""
     max_num_batched_tokens: int = 512
     """Per-step token budget shared by decodes and prefill chunks."""
+    solo_prefill_tokens: int = 0
+    """Per-step token budget of a step with no decodes (see the NOTE); values up to
+    max_num_batched_tokens (the default 0) mean max_num_batched_tokens. The engine service sets
+    it (--solo-prefill-tokens, 2048 by default)."""
     max_model_len: int
     """Most tokens (prompt + generated) of one sequence."""
     block_size: int
@@ -33,6 +37,8 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.solo_prefill_tokens < 0:
+            raise ValueError(f"solo_prefill_tokens must be >= 0, got {self.solo_prefill_tokens}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -101,7 +107,8 @@ class SchedulerOutput:
 # NOTE: the scheduling model (Sarathi-Serve's stall-free batching on vLLM v1's token budget).
 #
 # A sequence knows num_tokens tokens and has computed num_computed_tokens of them; each step
-# spends at most max_num_batched_tokens tokens, in this order:
+# spends at most max_num_batched_tokens tokens (solo_prefill_tokens when no running sequence is
+# decoding), in this order:
 #   1. every running decode (exactly one token left to compute) gets its token;
 #   2. running sequences with a partial prefill get their next chunk, oldest first;
 #   3. waiting sequences are admitted first-come-first-served: prefix-cache hits count as
@@ -110,7 +117,14 @@ class SchedulerOutput:
 #      whatever budget is left (a request collecting prompt logprobs takes neither: it
 #      computes its whole prompt). Admission is strict FCFS (a head that does not fit blocks the
 #      queue) and is skipped in a step that preempted.
-# A long prompt therefore never delays decodes: it only uses the budget they leave.
+# A long prompt therefore never delays decodes: it only uses the budget they leave. A step with
+# no decodes delays nobody's next token, so its prefill chunks may be bigger (solo_prefill_tokens):
+# fewer passes over the prompt's growing KV, and bigger matmuls. The function computed is the
+# same; with the default GGUF weights the logprobs are the same bit for bit (tested), while
+# kernels that round a short chunk's rows differently (MKL's fp32 sgemm) move the last bits, as
+# any chunk boundary (a prefix-cache hit's remainder) already does. Requests that arrive meanwhile
+# wait for the step to end, as they would wait for the older prompt's later chunks under strict
+# FCFS.
 #
 # Draft tokens (speculative decoding) are tokens to compute like any other. A decode offered k
 # drafts computes 1 + k tokens: its last known token and the drafts, whose logits verify them.
@@ -209,13 +223,15 @@ class Scheduler:
         `drafts` maps running decodes to draft tokens to verify this step (at most what the
         budget and free blocks allow is taken, a prefix of each)."""
         drafts = drafts or {}
-        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        step_budget = self.config.max_num_batched_tokens
+        if not decodes:
+            step_budget = max(step_budget, self.config.solo_prefill_tokens)
+        budget = step_budget
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         imports: list[KvImport] = []
-
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         spare = budget - len(decodes)  # budget left for drafts once every decode has its token
         reserved: dict[int, int] = {}  # index in `scheduled` -> drafts it reserved budget for
         for seq in decodes + prefills:
@@ -268,7 +284,7 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             preempted=preempted,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_batched_tokens=step_budget - budget,
             imports=imports,
         )
 

@@ -95,3 +95,41 @@ def test_preemption_by_recompute_keeps_outputs(bundled_model):
     assert tight_core.scheduler.num_preemptions > 0, "pool was not small enough to preempt"
     for rid in prompts:
         assert tight[rid]["tokens"] == roomy[rid]["tokens"], rid
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf_model():
+    """The bundled model on its GGUF blocks (the CPU default, `weights="gguf"`)."""
+    from kvmesh.model.loader import load_model
+
+    return load_model("bundled", weights="gguf", progress=False)
+
+
+@pytest.mark.parametrize("weights", ["gguf", "fp32"])
+def test_a_prompt_prefilled_alone_in_big_chunks_gives_the_same_answer(
+        weights, bundled_model, bundled_gguf_model):
+    """--solo-prefill-tokens: with nothing decoding, a prompt's chunks grow from 256 tokens to
+    2,048. The default GGUF weights give the same logprobs bit for bit; fp32 weights (MKL, whose
+    sgemm rounds a 76-row chunk's products differently) the same tokens, logprobs within fp32
+    rounding."""
+    from kvmesh.model.perplexity import reference_text
+
+    model = bundled_gguf_model if weights == "gguf" else bundled_model
+    ids = model.tokenizer.encode(reference_text()[:20_000])[:1100]
+    params = greedy(6, ignore_eos=True, logprobs=3)
+    runs = {}
+    for solo in (0, 2048):
+        core = make_core(model, max_num_batched_tokens=256, solo_prefill_tokens=solo)
+        steps, step = [], core.step
+        core.step = lambda: steps.append(1) or step()
+        runs[solo] = run_all(core, {"r": ids}, params)["r"], len(steps)
+    (chunked, chunked_steps), (solo, solo_steps) = runs[0], runs[2048]
+    assert (chunked_steps, solo_steps) == (5 + 5, 1 + 5)  # 1,100 tokens: 5 chunks of <= 256, or 1
+    assert solo["tokens"] == chunked["tokens"] and len(solo["tokens"]) == 6
+    if weights == "gguf":
+        assert solo["logprobs"] == chunked["logprobs"]
+    else:
+        got = [(t.token_id, *(lp for _, lp in t.top)) for t in solo["logprobs"]]
+        want = [(t.token_id, *(lp for _, lp in t.top)) for t in chunked["logprobs"]]
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[1:], w[1:])) < 1e-4

@@ -43,7 +43,8 @@ def test_probe_counts_whole_cached_blocks_and_changes_nothing(tiny):
 
 
 def test_probe_load_fields(tiny):
-    core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=16, max_num_seqs=1)
+    core = make_core(tiny, num_blocks=64, block_size=BS, max_num_batched_tokens=16, solo_prefill_tokens=0,
+                     max_num_seqs=1)  # 16-token chunks even while nothing decodes
     idle = core.probe([1, 2, 3]).load
     assert idle == EngineLoad(running=0, waiting=0, pending_prefill_tokens=0, free_blocks=64, num_blocks=64)
     now = time.monotonic()

@@ -9,10 +9,11 @@ from kvmesh.services.engine.sequence import FinishReason, Sequence, SequenceStat
 
 
 def make_scheduler(*, num_blocks, block_size=4, budget=64, max_num_seqs=8, max_waiting=16,
-                   max_model_len=4096, prefix_caching=True):
+                   max_model_len=4096, prefix_caching=True, solo=0):
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        solo_prefill_tokens=solo,
         max_model_len=max_model_len,
         block_size=block_size,
         max_waiting=max_waiting,
@@ -60,7 +61,9 @@ class FakeModel:
         sched = self.scheduler
         out = sched.schedule()
         assert out.num_batched_tokens == sum(i.num_new_tokens for i in out.scheduled)
-        assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        decoding = any(i.seq.num_tokens - i.start == 1 for i in out.scheduled)
+        cap = sched.config.max_num_batched_tokens
+        assert out.num_batched_tokens <= (cap if decoding else max(cap, sched.config.solo_prefill_tokens))
         assert not set(out.preempted) & {item.seq for item in out.scheduled}
         assert all(s.status is SequenceStatus.WAITING for s in out.preempted)
         for item in out.scheduled:
@@ -98,6 +101,36 @@ def test_chunked_prefill_splits_a_long_prompt_while_decodes_get_their_token_ever
         assert p.num_output_tokens == (1 if step == 3 else 0)
     assert plan(model.step()) == [("d1", 1), ("d2", 1), ("p", 1)]
     assert (d1.num_output_tokens, d2.num_output_tokens, p.num_output_tokens) == (6, 6, 2)
+
+
+def test_a_prompt_alone_takes_solo_chunks_until_something_decodes():
+    sched = make_scheduler(num_blocks=400, block_size=16, budget=256, solo=1024)
+    model = FakeModel(sched)
+    p = make_seq("p", 3000, max_tokens=10)
+    sched.add(p)
+    for step, chunk in enumerate([1024, 1024, 952]):  # nothing decodes: up to 1,024 tokens a step
+        out = model.step()
+        assert plan(out) == [("p", chunk)] and out.num_batched_tokens == chunk, f"step {step}"
+    assert p.num_output_tokens == 1
+    q = make_seq("q", 1000, max_tokens=2)
+    sched.add(q)
+    for chunk in (255, 255, 255, 235):  # p decodes now: the budget is 256 again
+        assert plan(model.step()) == [("p", 1), ("q", chunk)]
+    sched.finish(p, FinishReason.STOP)
+    r = make_seq("r", 1500, max_tokens=1)
+    sched.add(r)
+    assert plan(model.step()) == [("q", 1), ("r", 255)]  # q's one decode holds the budget at 256
+    assert plan(model.step()) == [("r", 1024)]  # q finished (2 tokens): r is alone
+    assert plan(model.step()) == [("r", 221)]
+
+
+def test_a_solo_budget_below_the_step_budget_changes_nothing():
+    sched = make_scheduler(num_blocks=200, block_size=16, budget=256, solo=100)
+    model = FakeModel(sched)
+    sched.add(make_seq("p", 600, max_tokens=1))
+    assert [plan(model.step()) for _ in range(3)] == [[("p", 256)], [("p", 256)], [("p", 88)]]
+    with pytest.raises(ValueError, match="solo_prefill_tokens must be >= 0"):
+        SchedulerConfig(max_model_len=128, block_size=16, solo_prefill_tokens=-1)
 
 
 def test_prefill_chunk_is_capped_by_budget_left_after_decodes():
