@@ -34,7 +34,7 @@ class EngineConfig:
     max_model_len: int = setting(0, "Max prompt + generated tokens per request; 0 = the model's context length.", min=0)
     max_num_seqs: int = setting(64, "Max sequences in one batch.", min=1)
     max_num_batched_tokens: int = setting(512, "Per-step token budget (decodes + prefill chunks).", min=16)
-    solo_prefill_tokens: int = setting(2048, "Per-step token budget while no sequence is decoding: a prompt prefilled alone delays nobody's next token, so it runs in bigger chunks (fewer passes over its growing KV, bigger matmuls; the same KV and logits bit for bit). Values up to --max-num-batched-tokens turn it off.", min=0)
+    solo_prefill_tokens: int = setting(2048, "Per-step token budget while no sequence is decoding: a prompt prefilled alone delays nobody's next token, so it runs in bigger chunks (fewer passes over its growing KV, bigger matmuls; the same answer). Values up to --max-num-batched-tokens turn it off.", min=0)
     max_waiting: int = setting(1024, "Queue cap; requests beyond it get RESOURCE_EXHAUSTED.", min=1)
     enable_prefix_caching: bool = setting(True, "Reuse full KV blocks of identical prompt prefixes inside the engine.")
     kvcache_address: Optional[str] = setting(None, "host:port of the KV-cache service; unset = in-engine prefix cache only.")
