@@ -34,8 +34,13 @@ NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` ag
 ``0 .. offset + Lq - 1`` (a prompt's first chunk, or a later chunk over its gathered context);
 head dim 64; GQA by query-head groups; q, k, v all bf16 or all fp32. Where it does not apply
 (other head dims or dtypes, sliding windows, no AMX, ``KVMESH_AMX=0``, no compiler) the caller
-runs torch's SDPA. Tasks are (query head, block of 16 queries), longest first, over the calling
-thread's OpenMP team (fp32: one KV head's query heads after another, so its pieces stay in L2).
+runs torch's SDPA. Tasks are (query head, block of 16 queries) over the calling thread's OpenMP
+team: one KV head's query heads after another (its K and V stay in L2), longest first within it.
+
+NOTE (layout of the source). One task loop (`causal_tasks`) runs both kernels; what differs --
+how queries and weights are held (one bf16 piece or three) and which tile products make a step's
+S^T and O^T -- is a small per-thread struct (`Bf16Pieces`, `F32Pieces`), as is the preparation
+of K and V (`kv_bf16`, `kv_f32`).
 """
 from __future__ import annotations
 
@@ -58,8 +63,6 @@ _SOURCE = r"""
 """ + AMX_TILE_SOURCE + r"""
 
 #if defined(KVMESH_AMX)
-// Tiles here: 0..1 S^T (scores), 2..3 A (keys), 4..5 B (Q^T), then 0..3 O^T, 6 A (V^T), 7 B (P^T).
-
 // 2^x for finite x <= 0: x = n + f, |f| <= 1/2, 2^f by a degree-3 polynomial fitted for
 // relative error (< 8e-5, under the bf16 rounding the weights get next), scaled by 2^n (0 far
 // below fp32's range).
@@ -109,22 +112,22 @@ static inline __m512 step_max(const float (*s)[QB], int nk, bool diag, __m512i q
   return alpha;
 }
 
-// out [Lq, H, 64] = causal softmax(scale * q k^T) v, queries at positions offset + i; token i's
-// heads start at q + i * sq (k + i * sk, v + i * sv, out + i * so), 64 apart.
-static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
-                       int64_t sq, int64_t sk, int64_t sv, int64_t so,
-                       int64_t Lq, int64_t Lk, int64_t H, int64_t KVH, int64_t offset, float scale) {
-  const int64_t G = H / KVH, Lp = (Lk + STEP - 1) / STEP * STEP, nqb = (Lq + QB - 1) / QB;
-  // per KV head: K [Lp][64] contiguous (rows past Lk zero) and V^T [64][Ls] (bf16 bits). V^T's
-  // rows are Lp + 32 apart: 4 KiB apart, a tile's 16 rows would all fall in one L1 set.
-  const int64_t Ls = Lp + 32, nkb = Lp / KB;
-  std::vector<uint16_t> Kc(KVH * Lp * D, 0), Vt(KVH * D * Ls, 0);
+alignas(64) static const uint16_t PAIR_ORDER[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// ---- K and V as the tile unit reads them, per KV head: K [Lp][64] (keys past Lk zero) and
+// V^T [64][Ls]. V^T's rows are Ls = Lp + 32 apart: 4 KiB apart, a tile's 16 rows would all fall
+// in one L1 set. bf16: as given; fp32: three pieces of each (NOTE (fp32)).
+
+static void kv_bf16(const uint16_t* k, const uint16_t* v, int64_t sk, int64_t sv, int64_t Lk, int64_t KVH,
+                    int64_t Lp, int64_t Ls, uint16_t* Kc, uint16_t* Vt) {  // (Kc, Vt zeroed)
+  const int64_t nkb = Lp / KB;
   #pragma omp parallel for schedule(static)
   for (int64_t task = 0; task < KVH * nkb; ++task) {
     const int64_t h = task / nkb, j0 = task % nkb * KB, nj = std::min<int64_t>(KB, Lk - j0);
     if (nj <= 0) continue;
-    uint16_t* kc = Kc.data() + h * Lp * D;
-    uint16_t* vt = Vt.data() + h * D * Ls;
+    uint16_t* kc = Kc + h * Lp * D;
+    uint16_t* vt = Vt + h * D * Ls;
     alignas(64) uint16_t blk[KB][D];
     for (int64_t j = 0; j < nj; ++j) {
       std::memcpy(kc + (j0 + j) * D, k + (j0 + j) * sk + h * D, D * 2);
@@ -133,132 +136,11 @@ static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     for (int d = 0; d < D; ++d)
       for (int64_t j = 0; j < nj; ++j) vt[d * Ls + j0 + j] = blk[j][d];
   }
-  const float c = scale * 1.4426950408889634f;  // scores in base 2
-  #pragma omp parallel
-  {
-    amx_configure();
-    alignas(64) uint32_t qp[2][16][16];      // B tiles: Q^T of 16 queries, per 32 dims
-    alignas(64) float sd[2][STEP][QB];       // S^T of two steps (the pipeline below)
-    alignas(64) uint32_t pp[STEP / KB][16][16];  // B tiles: P^T as bf16 pairs of keys
-    alignas(64) float o[D][QB];              // O^T accumulator
-    alignas(64) float t[D][QB];              // one step's V^T . P^T
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i pairs = _mm512_load_si512(order);
-    const __m512 vc = _mm512_set1_ps(c);
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < H * nqb; ++task) {
-      const int64_t qb = nqb - 1 - task / H, hq = task % H, hk = hq / G;  // longest first
-      const int64_t q0 = qb * QB, nq = std::min<int64_t>(QB, Lq - q0);
-      // Q^T in pair layout: qp[c][r][n] = dims 32c + 2r, 32c + 2r + 1 of query n (zero past Lq)
-      for (int cc = 0; cc < 2; ++cc)
-        for (int r = 0; r < 16; ++r)
-          for (int n = 0; n < 16; ++n) {
-            if (n >= nq) { qp[cc][r][n] = 0; continue; }
-            const uint16_t* qr = q + (q0 + n) * sq + hq * D + 32 * cc + 2 * r;
-            qp[cc][r][n] = (uint32_t)qr[0] | ((uint32_t)qr[1] << 16);
-          }
-      _tile_loadd(4, qp[0], 64);
-      _tile_loadd(5, qp[1], 64);
-      const uint16_t* kc = Kc.data() + hk * Lp * D;
-      const uint16_t* vt = Vt.data() + hk * D * Ls;
-      const int64_t last = offset + q0 + nq - 1;  // the block's last query's position: keys 0..last
-      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + q0)));
-      __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
-      for (int d = 0; d < D; ++d) _mm512_store_ps(o[d], _mm512_setzero_ps());
-      // S^T of the step at k0 into sbuf (its 32-key sub-blocks: as many as reach `last`)
-      auto scores = [&](int64_t k0, float (*sbuf)[QB]) __attribute__((always_inline)) {
-        const int nsb = (int)std::min<int64_t>(STEP / KB, (last - k0) / KB + 1);
-        for (int sb = 0; sb < nsb; ++sb) {
-          const uint16_t* kr = kc + (k0 + sb * KB) * D;
-          _tile_zero(0); _tile_zero(1);
-          _tile_loadd(2, kr, D * 2);
-          _tile_loadd(3, kr + 16 * D, D * 2);
-          _tile_dpbf16ps(0, 2, 4);
-          _tile_dpbf16ps(1, 3, 4);
-          _tile_loadd(2, kr + 32, D * 2);
-          _tile_loadd(3, kr + 16 * D + 32, D * 2);
-          _tile_dpbf16ps(0, 2, 5);
-          _tile_dpbf16ps(1, 3, 5);
-          _tile_stored(0, sbuf[sb * KB], 64);
-          _tile_stored(1, sbuf[sb * KB + 16], 64);
-        }
-        return nsb;
-      };
-      // Software pipeline: the next step's scores go to the tile unit before this step's
-      // softmax, which the vector units run meanwhile.
-      int nsb = scores(0, sd[0]);
-      for (int64_t k0 = 0, j = 0; k0 <= last; k0 += STEP, ++j) {
-        float (*s)[QB] = sd[j & 1];
-        const int nsb_next = k0 + STEP <= last ? scores(k0 + STEP, sd[(j + 1) & 1]) : 0;
-        const int nk = nsb * KB;
-        // keys k0 + i are masked for queries before them (only in a step past the block's first
-        // query: the diagonal). Masked keys stay out of the max too: a block that straddles a
-        // step has queries that see no key of the last step, and their max must not move (a
-        // masked key's large score would underflow all their weights). Every query sees key 0,
-        // so each lane's max is finite from the first step on.
-        const bool diag = k0 + nk - 1 > offset + q0;
-        auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
-        const __m512 alpha = step_max<exp2_>(s, nk, diag, qpos, k0, vc, m);
-        const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
-        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-        for (int i = 0; i < nk; i += 2) {
-          __m512 p0 = exp2_(_mm512_fmadd_ps(_mm512_load_ps(s[i]), vc, negm));
-          __m512 p1 = exp2_(_mm512_fmadd_ps(_mm512_load_ps(s[i + 1]), vc, negm));
-          if (diag) { p0 = _mm512_maskz_mov_ps(valid(i), p0); p1 = _mm512_maskz_mov_ps(valid(i + 1), p1); }
-          sum0 = _mm512_add_ps(sum0, p0);
-          sum1 = _mm512_add_ps(sum1, p1);
-          // dword n = (p0[n], p1[n]) as bf16: the pair layout of keys i, i + 1
-          const __m512i w = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-          _mm512_store_si512(pp[i / KB][(i % KB) / 2], w);
-        }
-        const __m512 sum = _mm512_add_ps(sum0, sum1);
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int sb = 0; sb < nsb; ++sb) {
-          _tile_loadd(7, pp[sb], 64);
-          const uint16_t* va = vt + k0 + sb * KB;
-          _tile_loadd(6, va, Ls * 2); _tile_dpbf16ps(0, 6, 7);
-          _tile_loadd(6, va + 16 * Ls, Ls * 2); _tile_dpbf16ps(1, 6, 7);
-          _tile_loadd(6, va + 32 * Ls, Ls * 2); _tile_dpbf16ps(2, 6, 7);
-          _tile_loadd(6, va + 48 * Ls, Ls * 2); _tile_dpbf16ps(3, 6, 7);
-        }
-        _tile_stored(0, t[0], 64); _tile_stored(1, t[16], 64);
-        _tile_stored(2, t[32], 64); _tile_stored(3, t[48], 64);
-        for (int d = 0; d < D; ++d)
-          _mm512_store_ps(o[d], _mm512_fmadd_ps(_mm512_load_ps(o[d]), alpha, _mm512_load_ps(t[d])));
-        nsb = nsb_next;
-      }
-      // out rows = (O^T / l)^T, 16 dims at a time through a 16 x 16 register transpose
-      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(_mm512_load_ps(o[d0 + i]), inv);
-        transpose16(r);
-        for (int n = 0; n < nq; ++n)
-          _mm256_storeu_si256((__m256i*)(out + (q0 + n) * so + hq * D + d0), (__m256i)_mm512_cvtneps_pbh(r[n]));
-      }
-    }
-    _tile_release();
-  }
 }
 
-// fp32 causal attention, as amx_causal but fp32-accurate (NOTE (fp32)): q, k, v, p as three
-// bf16 pieces each, six products per dot product. Tiles: 0..1 S^T, 2..3 A (key pieces), 4..6 B
-// (Q^T pieces); then 0..3 O^T, 6 A (V^T piece), 4, 5, 7 B (P^T pieces).
-static void amx_causal_f32(const float* q, const float* k, const float* v, float* out,
-                           int64_t sq, int64_t sk, int64_t sv, int64_t so,
-                           int64_t Lq, int64_t Lk, int64_t H, int64_t KVH, int64_t offset, float scale) {
-  const int64_t G = H / KVH, Lp = (Lk + STEP - 1) / STEP * STEP, nqb = (Lq + QB - 1) / QB;
-  const int64_t Ls = Lp + 32, nkb = Lp / KB;
-  // per KV head and piece i: K_i [Lp][64] and V^T_i [64][Ls] (keys past Lk zero), in buffers
-  // the calling thread keeps (no page faults per call)
-  thread_local std::vector<uint16_t> kbuf, vbuf;
-  if ((int64_t)kbuf.size() < KVH * 3 * Lp * D) kbuf.resize(KVH * 3 * Lp * D);
-  if ((int64_t)vbuf.size() < KVH * 3 * D * Ls) vbuf.resize(KVH * 3 * D * Ls);
-  uint16_t* const Kc = kbuf.data();
-  uint16_t* const Vt = vbuf.data();
+static void kv_f32(const float* k, const float* v, int64_t sk, int64_t sv, int64_t Lk, int64_t KVH,
+                   int64_t Lp, int64_t Ls, uint16_t* Kc, uint16_t* Vt) {  // piece i of head h at (3 h + i)
+  const int64_t nkb = Lp / KB;
   #pragma omp parallel for schedule(static) collapse(2)
   for (int64_t jb = 0; jb < nkb; ++jb)
   for (int64_t h = 0; h < KVH; ++h) {
@@ -303,46 +185,115 @@ static void amx_causal_f32(const float* q, const float* k, const float* v, float
       }
     }
   }
-  const float c = scale * 1.4426950408889634f;  // scores in base 2
-  #pragma omp parallel
-  {
-    amx_configure();
-    alignas(64) uint32_t qp[3][2][16][16];       // B tiles: Q^T piece i of 16 queries, per 32 dims
-    alignas(64) uint16_t qw[3][16][D];           // the queries' pieces as rows
-    alignas(64) float sd[2][STEP][QB];           // S^T of two steps (the pipeline)
-    alignas(64) uint32_t pp[3][STEP / KB][16][16];  // B tiles: P^T pieces as bf16 pairs of keys
-    alignas(64) float o[D][QB];
-    alignas(64) float t[D][QB];
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i pairs = _mm512_load_si512(order);
-    const __m512 vc = _mm512_set1_ps(c);
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < H * nqb; ++task) {
-      // one KV head after another (its pieces stay in L2), longest first within it
-      const int64_t hk = task / (G * nqb), qb = nqb - 1 - task % (G * nqb) / G, hq = hk * G + task % G;
-      const int64_t q0 = qb * QB, nq = std::min<int64_t>(QB, Lq - q0);
-      for (int n = 0; n < 16; ++n)
-        for (int d0 = 0; d0 < D; d0 += 16) {
-          __m256i p[3];
-          split3(n < nq ? _mm512_loadu_ps(q + (q0 + n) * sq + hq * D + d0) : _mm512_setzero_ps(), p[0], p[1], p[2]);
-          for (int i = 0; i < 3; ++i) _mm256_store_si256((__m256i*)(qw[i][n] + d0), p[i]);
+}
+
+// ---- What differs between the two kernels: how queries and weights are held (one bf16 piece,
+// or three) and which tile products make a step's S^T and O^T. One object per thread.
+
+struct KvPieces {
+  const uint16_t* Kc; const uint16_t* Vt;  // as kv_bf16 / kv_f32 lay them out
+  const void* q; int64_t sq, Lp, Ls;
+};
+
+// bf16. Tiles: 0..1 S^T, 2..3 A (keys), 4..5 B (Q^T, loaded once per task); then 0..3 O^T,
+// 6 A (V^T), 7 B (P^T).
+struct Bf16Pieces {
+  using Out = uint16_t;
+  static inline __m512 exp2(__m512 x) { return exp2_(x); }
+  const KvPieces kv;
+  const uint16_t* kc = nullptr; const uint16_t* vt = nullptr;
+  alignas(64) uint32_t qp[2][16][16];          // B tiles: Q^T of 16 queries, per 32 dims
+  alignas(64) uint32_t pp[STEP / KB][16][16];  // B tiles: P^T as bf16 pairs of keys
+  explicit Bf16Pieces(const KvPieces& p) : kv(p) {}
+
+  inline __attribute__((always_inline)) void queries(int64_t q0, int64_t nq, int64_t hq, int64_t hk) {
+    // Q^T in pair layout: qp[c][r][n] = dims 32c + 2r, 32c + 2r + 1 of query n (zero past Lq)
+    const uint16_t* q = (const uint16_t*)kv.q;
+    for (int cc = 0; cc < 2; ++cc)
+      for (int r = 0; r < 16; ++r)
+        for (int n = 0; n < 16; ++n) {
+          if (n >= nq) { qp[cc][r][n] = 0; continue; }
+          const uint16_t* qr = q + (q0 + n) * kv.sq + hq * D + 32 * cc + 2 * r;
+          qp[cc][r][n] = (uint32_t)qr[0] | ((uint32_t)qr[1] << 16);
         }
-      for (int i = 0; i < 3; ++i)
-        for (int cc = 0; cc < 2; ++cc)
-          for (int r = 0; r < 16; ++r)
-            for (int n = 0; n < 16; ++n)
-              qp[i][cc][r][n] = (uint32_t)qw[i][n][32 * cc + 2 * r] | ((uint32_t)qw[i][n][32 * cc + 2 * r + 1] << 16);
-      const uint16_t* kc = Kc + hk * 3 * Lp * D;
-      const uint16_t* vt = Vt + hk * 3 * D * Ls;
-      const int64_t last = offset + q0 + nq - 1;
-      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + q0)));
-      __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
-      for (int d = 0; d < D; ++d) _mm512_store_ps(o[d], _mm512_setzero_ps());
-      // S^T: k_1 q_1, k_1 q_2, k_1 q_3, k_2 q_1, k_2 q_2, k_3 q_1 (the three left out are below
-      // 2^-24 of |k q| each)
-      // S^T, two sub-blocks of 32 keys at a time (four accumulators: keys 16 g .. 16 g + 15)
+    _tile_loadd(4, qp[0], 64);
+    _tile_loadd(5, qp[1], 64);
+    kc = kv.Kc + hk * kv.Lp * D;
+    vt = kv.Vt + hk * D * kv.Ls;
+  }
+  // S^T of the step at k0 into sbuf (its 32-key sub-blocks: as many as reach `last`)
+  inline __attribute__((always_inline)) int scores(int64_t k0, int64_t last, float (*sbuf)[QB]) {
+    const int nsb = (int)std::min<int64_t>(STEP / KB, (last - k0) / KB + 1);
+    const uint16_t* const kh = kc;  // (locals here and below: a vector store may alias a member)
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint16_t* kr = kh + (k0 + sb * KB) * D;
+      _tile_zero(0); _tile_zero(1);
+      _tile_loadd(2, kr, D * 2);
+      _tile_loadd(3, kr + 16 * D, D * 2);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+      _tile_loadd(2, kr + 32, D * 2);
+      _tile_loadd(3, kr + 16 * D + 32, D * 2);
+      _tile_dpbf16ps(0, 2, 5);
+      _tile_dpbf16ps(1, 3, 5);
+      _tile_stored(0, sbuf[sb * KB], 64);
+      _tile_stored(1, sbuf[sb * KB + 16], 64);
+    }
+    return nsb;
+  }
+  // the weights of keys i, i + 1: dword n = (p0[n], p1[n]) as bf16, the pair layout
+  inline __attribute__((always_inline)) void weights(int i, __m512 p0, __m512 p1, __m512i pairs) {
+    const __m512i w = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    _mm512_store_si512(pp[i / KB][(i % KB) / 2], w);
+  }
+  // tiles 0..3 = the step's V^T . P^T
+  inline __attribute__((always_inline)) void values(int64_t k0, int nsb) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const int64_t Ls = kv.Ls;
+    const uint16_t* const vh = vt;
+    for (int sb = 0; sb < nsb; ++sb) {
+      _tile_loadd(7, pp[sb], 64);
+      const uint16_t* va = vh + k0 + sb * KB;
+      _tile_loadd(6, va, Ls * 2); _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(6, va + 16 * Ls, Ls * 2); _tile_dpbf16ps(1, 6, 7);
+      _tile_loadd(6, va + 32 * Ls, Ls * 2); _tile_dpbf16ps(2, 6, 7);
+      _tile_loadd(6, va + 48 * Ls, Ls * 2); _tile_dpbf16ps(3, 6, 7);
+    }
+  }
+  static inline __attribute__((always_inline)) void store(uint16_t* dst, __m512 r) {
+    _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(r));
+  }
+};
+
+// fp32-accurate (NOTE (fp32)): q, k, v, p as three bf16 pieces each, six products per dot
+// product. Tiles: 0..3 S^T, 6..7 A (key pieces; one loads while the other is in use), 4..5 B
+// (Q^T pieces); then 0..3 O^T, 6..7 A (V^T pieces), 4..5 B (P^T pieces).
+struct F32Pieces {
+  using Out = float;
+  static inline __m512 exp2(__m512 x) { return exp2_f32(x); }
+  const KvPieces kv;
+  const uint16_t* kc = nullptr; const uint16_t* vt = nullptr;
+  alignas(64) uint32_t qp[3][2][16][16];          // B tiles: Q^T piece i of 16 queries, per 32 dims
+  alignas(64) uint16_t qw[3][16][D];              // the queries' pieces as rows
+  alignas(64) uint32_t pp[3][STEP / KB][16][16];  // B tiles: P^T pieces as bf16 pairs of keys
+  explicit F32Pieces(const KvPieces& p) : kv(p) {}
+
+  inline __attribute__((always_inline)) void queries(int64_t q0, int64_t nq, int64_t hq, int64_t hk) {
+    const float* q = (const float*)kv.q;
+    for (int n = 0; n < 16; ++n)
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m256i p[3];
+        split3(n < nq ? _mm512_loadu_ps(q + (q0 + n) * kv.sq + hq * D + d0) : _mm512_setzero_ps(), p[0], p[1], p[2]);
+        for (int i = 0; i < 3; ++i) _mm256_store_si256((__m256i*)(qw[i][n] + d0), p[i]);
+      }
+    for (int i = 0; i < 3; ++i)
+      for (int cc = 0; cc < 2; ++cc)
+        for (int r = 0; r < 16; ++r)
+          for (int n = 0; n < 16; ++n)
+            qp[i][cc][r][n] = (uint32_t)qw[i][n][32 * cc + 2 * r] | ((uint32_t)qw[i][n][32 * cc + 2 * r + 1] << 16);
+    kc = kv.Kc + hk * 3 * kv.Lp * D;
+    vt = kv.Vt + hk * 3 * D * kv.Ls;
+  }
 // A pair of A tiles (6, 7: groups g, g + 1 of 16 keys of piece i) against B tiles Ba, Bb.
 #define KVMESH_QK2(i, g, g1, Ba, Bb) \
   _tile_loadd(6, kr + (i) * Lp * D + (g) * 16 * D, D * 2); _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D + 16 * D, D * 2); \
@@ -350,54 +301,40 @@ static void amx_causal_f32(const float* q, const float* k, const float* v, float
 #define KVMESH_QK1(i, g, g1, Ba) \
   _tile_loadd(6, kr + (i) * Lp * D + (g) * 16 * D, D * 2); _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D + 16 * D, D * 2); \
   _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba);
-      // S^T, two sub-blocks of 32 keys at a time: four accumulators (keys 16 g .. 16 g + 15), A
-      // tiles 6 and 7 (one loads while the other is in use), B tiles 4 and 5 (query pieces).
-      // Products k_1 q_1, k_1 q_2, k_1 q_3, k_2 q_1, k_2 q_2, k_3 q_1 (the three left out are
-      // each below 2^-24 of |k q|).
-      auto scores = [&](int64_t k0, float (*sbuf)[QB]) __attribute__((always_inline)) {
-        const int nsb = (int)std::min<int64_t>(STEP / KB, (last - k0) / KB + 1);
-        for (int sb = 0; sb < nsb; sb += 2) {  // (an odd last sub-block computes one more: zero keys)
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int cc = 0; cc < 2; ++cc) {
-            const uint16_t* kr = kc + (k0 + sb * KB) * D + 32 * cc;
-            _tile_loadd(4, qp[0][cc], 64); _tile_loadd(5, qp[1][cc], 64);
-            KVMESH_QK2(0, 0, 1, 4, 5) KVMESH_QK2(0, 2, 3, 4, 5) KVMESH_QK2(1, 0, 1, 4, 5) KVMESH_QK2(1, 2, 3, 4, 5)
-            KVMESH_QK1(2, 0, 1, 4) KVMESH_QK1(2, 2, 3, 4)
-            _tile_loadd(5, qp[2][cc], 64);
-            KVMESH_QK1(0, 0, 1, 5) KVMESH_QK1(0, 2, 3, 5)
-          }
-          _tile_stored(0, sbuf[sb * KB], 64); _tile_stored(1, sbuf[sb * KB + 16], 64);
-          _tile_stored(2, sbuf[sb * KB + 32], 64); _tile_stored(3, sbuf[sb * KB + 48], 64);
-        }
-        return nsb;
-      };
+  // S^T, two sub-blocks of 32 keys at a time: four accumulators (keys 16 g .. 16 g + 15).
+  // Products k_1 q_1, k_1 q_2, k_1 q_3, k_2 q_1, k_2 q_2, k_3 q_1 (the three left out are each
+  // below 2^-24 of |k q|).
+  inline __attribute__((always_inline)) int scores(int64_t k0, int64_t last, float (*sbuf)[QB]) {
+    const int nsb = (int)std::min<int64_t>(STEP / KB, (last - k0) / KB + 1);
+    const int64_t Lp = kv.Lp;
+    const uint16_t* const kh = kc;
+    for (int sb = 0; sb < nsb; sb += 2) {  // (an odd last sub-block computes one more: zero keys)
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int cc = 0; cc < 2; ++cc) {
+        const uint16_t* kr = kh + (k0 + sb * KB) * D + 32 * cc;
+        _tile_loadd(4, qp[0][cc], 64); _tile_loadd(5, qp[1][cc], 64);
+        KVMESH_QK2(0, 0, 1, 4, 5) KVMESH_QK2(0, 2, 3, 4, 5) KVMESH_QK2(1, 0, 1, 4, 5) KVMESH_QK2(1, 2, 3, 4, 5)
+        KVMESH_QK1(2, 0, 1, 4) KVMESH_QK1(2, 2, 3, 4)
+        _tile_loadd(5, qp[2][cc], 64);
+        KVMESH_QK1(0, 0, 1, 5) KVMESH_QK1(0, 2, 3, 5)
+      }
+      _tile_stored(0, sbuf[sb * KB], 64); _tile_stored(1, sbuf[sb * KB + 16], 64);
+      _tile_stored(2, sbuf[sb * KB + 32], 64); _tile_stored(3, sbuf[sb * KB + 48], 64);
+    }
+    return nsb;
+  }
 #undef KVMESH_QK2
 #undef KVMESH_QK1
-      int nsb = scores(0, sd[0]);
-      for (int64_t k0 = 0, j = 0; k0 <= last; k0 += STEP, ++j) {
-        float (*s)[QB] = sd[j & 1];
-        const int nsb_next = k0 + STEP <= last ? scores(k0 + STEP, sd[(j + 1) & 1]) : 0;
-        const int nk = nsb * KB;
-        const bool diag = k0 + nk - 1 > offset + q0;  // masked keys: as in amx_causal
-        auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
-        const __m512 alpha = step_max<exp2_f32>(s, nk, diag, qpos, k0, vc, m);
-        const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
-        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-        for (int i = 0; i < nk; i += 2) {
-          __m512 p0 = exp2_f32(_mm512_fmadd_ps(_mm512_load_ps(s[i]), vc, negm));
-          __m512 p1 = exp2_f32(_mm512_fmadd_ps(_mm512_load_ps(s[i + 1]), vc, negm));
-          if (diag) { p0 = _mm512_maskz_mov_ps(valid(i), p0); p1 = _mm512_maskz_mov_ps(valid(i + 1), p1); }
-          sum0 = _mm512_add_ps(sum0, p0);
-          sum1 = _mm512_add_ps(sum1, p1);
-          __m256i a0[3], a1[3];  // pieces of the two keys' weights, paired as the B layout wants
-          split3(p0, a0[0], a0[1], a0[2]);
-          split3(p1, a1[0], a1[1], a1[2]);
-          for (int pc = 0; pc < 3; ++pc) {
-            const __m512i w = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a0[pc]), a1[pc], 1));
-            _mm512_store_si512(pp[pc][i / KB][(i % KB) / 2], w);
-          }
-        }
-        l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
+  // the pieces of keys i, i + 1's weights, paired as the B layout wants
+  inline __attribute__((always_inline)) void weights(int i, __m512 p0, __m512 p1, __m512i pairs) {
+    __m256i a0[3], a1[3];
+    split3(p0, a0[0], a0[1], a0[2]);
+    split3(p1, a1[0], a1[1], a1[2]);
+    for (int pc = 0; pc < 3; ++pc) {
+      const __m512i w = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a0[pc]), a1[pc], 1));
+      _mm512_store_si512(pp[pc][i / KB][(i % KB) / 2], w);
+    }
+  }
 // V^T piece i, dims 16 g .. 16 g + 31 (A tiles 6, 7), against P^T pieces in Ba, Bb.
 #define KVMESH_PV2(i, g, g1, Ba, Bb) \
   _tile_loadd(6, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls + 16 * Ls, Ls * 2); \
@@ -405,34 +342,118 @@ static void amx_causal_f32(const float* q, const float* k, const float* v, float
 #define KVMESH_PV1(i, g, g1, Ba) \
   _tile_loadd(6, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls + 16 * Ls, Ls * 2); \
   _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba);
-        // O^T += V^T P^T: v_1 p_1, v_1 p_2, v_1 p_3, v_2 p_1, v_2 p_2, v_3 p_1
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int sb = 0; sb < nsb; ++sb) {
-          const uint16_t* va = vt + k0 + sb * KB;
-          _tile_loadd(4, pp[0][sb], 64); _tile_loadd(5, pp[1][sb], 64);
-          KVMESH_PV2(0, 0, 1, 4, 5) KVMESH_PV2(0, 2, 3, 4, 5) KVMESH_PV2(1, 0, 1, 4, 5) KVMESH_PV2(1, 2, 3, 4, 5)
-          KVMESH_PV1(2, 0, 1, 4) KVMESH_PV1(2, 2, 3, 4)
-          _tile_loadd(5, pp[2][sb], 64);
-          KVMESH_PV1(0, 0, 1, 5) KVMESH_PV1(0, 2, 3, 5)
-        }
+  // tiles 0..3 = the step's V^T . P^T: v_1 p_1, v_1 p_2, v_1 p_3, v_2 p_1, v_2 p_2, v_3 p_1
+  inline __attribute__((always_inline)) void values(int64_t k0, int nsb) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const int64_t Ls = kv.Ls;
+    const uint16_t* const vh = vt;
+    for (int sb = 0; sb < nsb; ++sb) {
+      const uint16_t* va = vh + k0 + sb * KB;
+      _tile_loadd(4, pp[0][sb], 64); _tile_loadd(5, pp[1][sb], 64);
+      KVMESH_PV2(0, 0, 1, 4, 5) KVMESH_PV2(0, 2, 3, 4, 5) KVMESH_PV2(1, 0, 1, 4, 5) KVMESH_PV2(1, 2, 3, 4, 5)
+      KVMESH_PV1(2, 0, 1, 4) KVMESH_PV1(2, 2, 3, 4)
+      _tile_loadd(5, pp[2][sb], 64);
+      KVMESH_PV1(0, 0, 1, 5) KVMESH_PV1(0, 2, 3, 5)
+    }
+  }
 #undef KVMESH_PV2
 #undef KVMESH_PV1
+  static inline __attribute__((always_inline)) void store(float* dst, __m512 r) { _mm512_storeu_ps(dst, r); }
+};
+
+// ---- The task loop both kernels share. out [Lq, H, 64] = causal softmax(scale * q k^T) v,
+// queries at positions offset + i; token i's heads start at out + i * so, 64 apart. A task is
+// (query head, block of 16 queries): one KV head's query heads after another (its K and V stay
+// in L2), longest first within it.
+template <class Pieces>
+static void causal_tasks(const KvPieces& kv, typename Pieces::Out* out, int64_t so, int64_t Lq, int64_t H,
+                         int64_t KVH, int64_t offset, float scale) {
+  const int64_t G = H / KVH, nqb = (Lq + QB - 1) / QB;
+  const __m512 vc = _mm512_set1_ps(scale * 1.4426950408889634f);  // scores in base 2
+  #pragma omp parallel
+  {
+    amx_configure();
+    Pieces pc(kv);
+    alignas(64) float sd[2][STEP][QB];  // S^T of two steps (the pipeline below)
+    alignas(64) float o[D][QB];         // O^T accumulator
+    alignas(64) float t[D][QB];         // one step's V^T . P^T
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pairs = _mm512_load_si512(PAIR_ORDER);  // bf16 weights of two keys -> B pairs
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * nqb; ++task) {
+      const int64_t hk = task / (G * nqb), qb = nqb - 1 - task % (G * nqb) / G, hq = hk * G + task % G;
+      const int64_t q0 = qb * QB, nq = std::min<int64_t>(QB, Lq - q0);
+      pc.queries(q0, nq, hq, hk);
+      const int64_t last = offset + q0 + nq - 1;  // the block's last query's position: keys 0..last
+      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + q0)));
+      __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
+      for (int d = 0; d < D; ++d) _mm512_store_ps(o[d], _mm512_setzero_ps());
+      // Software pipeline: the next step's scores go to the tile unit before this step's
+      // softmax, which the vector units run meanwhile.
+      int nsb = pc.scores(0, last, sd[0]);
+      for (int64_t k0 = 0, j = 0; k0 <= last; k0 += STEP, ++j) {
+        float (*s)[QB] = sd[j & 1];
+        const int nsb_next = k0 + STEP <= last ? pc.scores(k0 + STEP, last, sd[(j + 1) & 1]) : 0;
+        const int nk = nsb * KB;
+        // keys k0 + i are masked for queries before them (only in a step past the block's first
+        // query: the diagonal). Masked keys stay out of the max too: a block that straddles a
+        // step has queries that see no key of the last step, and their max must not move (a
+        // masked key's large score would underflow all their weights). Every query sees key 0,
+        // so each lane's max is finite from the first step on.
+        const bool diag = k0 + nk - 1 > offset + q0;
+        auto valid = [&](int i) { return _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + i))); };
+        const __m512 alpha = step_max<Pieces::exp2>(s, nk, diag, qpos, k0, vc, m);
+        const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        for (int i = 0; i < nk; i += 2) {
+          __m512 p0 = Pieces::exp2(_mm512_fmadd_ps(_mm512_load_ps(s[i]), vc, negm));
+          __m512 p1 = Pieces::exp2(_mm512_fmadd_ps(_mm512_load_ps(s[i + 1]), vc, negm));
+          if (diag) { p0 = _mm512_maskz_mov_ps(valid(i), p0); p1 = _mm512_maskz_mov_ps(valid(i + 1), p1); }
+          sum0 = _mm512_add_ps(sum0, p0);
+          sum1 = _mm512_add_ps(sum1, p1);
+          pc.weights(i, p0, p1, pairs);
+        }
+        l = _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1));
+        pc.values(k0, nsb);
         _tile_stored(0, t[0], 64); _tile_stored(1, t[16], 64);
         _tile_stored(2, t[32], 64); _tile_stored(3, t[48], 64);
         for (int d = 0; d < D; ++d)
           _mm512_store_ps(o[d], _mm512_fmadd_ps(_mm512_load_ps(o[d]), alpha, _mm512_load_ps(t[d])));
         nsb = nsb_next;
       }
+      // out rows = (O^T / l)^T, 16 dims at a time through a 16 x 16 register transpose
       const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
       for (int d0 = 0; d0 < D; d0 += 16) {
         __m512 r[16];
         for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(_mm512_load_ps(o[d0 + i]), inv);
         transpose16(r);
-        for (int n = 0; n < nq; ++n) _mm512_storeu_ps(out + (q0 + n) * so + hq * D + d0, r[n]);
+        for (int n = 0; n < nq; ++n) Pieces::store(out + (q0 + n) * so + hq * D + d0, r[n]);
       }
     }
     _tile_release();
   }
+}
+
+// token i's heads start at q + i * sq (k + i * sk, v + i * sv, out + i * so), 64 apart
+static void amx_causal(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                       int64_t sq, int64_t sk, int64_t sv, int64_t so,
+                       int64_t Lq, int64_t Lk, int64_t H, int64_t KVH, int64_t offset, float scale) {
+  const int64_t Lp = (Lk + STEP - 1) / STEP * STEP, Ls = Lp + 32;
+  std::vector<uint16_t> Kc(KVH * Lp * D, 0), Vt(KVH * D * Ls, 0);
+  kv_bf16(k, v, sk, sv, Lk, KVH, Lp, Ls, Kc.data(), Vt.data());
+  causal_tasks<Bf16Pieces>(KvPieces{Kc.data(), Vt.data(), q, sq, Lp, Ls}, out, so, Lq, H, KVH, offset, scale);
+}
+
+static void amx_causal_f32(const float* q, const float* k, const float* v, float* out,
+                           int64_t sq, int64_t sk, int64_t sv, int64_t so,
+                           int64_t Lq, int64_t Lk, int64_t H, int64_t KVH, int64_t offset, float scale) {
+  const int64_t Lp = (Lk + STEP - 1) / STEP * STEP, Ls = Lp + 32;
+  // the pieces, in buffers the calling thread keeps (no page faults per call)
+  thread_local std::vector<uint16_t> kbuf, vbuf;
+  if ((int64_t)kbuf.size() < KVH * 3 * Lp * D) kbuf.resize(KVH * 3 * Lp * D);
+  if ((int64_t)vbuf.size() < KVH * 3 * D * Ls) vbuf.resize(KVH * 3 * D * Ls);
+  kv_f32(k, v, sk, sv, Lk, KVH, Lp, Ls, kbuf.data(), vbuf.data());
+  causal_tasks<F32Pieces>(KvPieces{kbuf.data(), vbuf.data(), q, sq, Lp, Ls}, out, so, Lq, H, KVH, offset, scale);
 }
 #endif
 

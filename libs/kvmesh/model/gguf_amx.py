@@ -67,6 +67,9 @@ struct alignas(64) TileConfig {
 static void amx_configure() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+  // GCC does not always count LDTILECFG as reading all 64 bytes: inlined into a big function it
+  // dropped the colsb stores (a #GP on the load). The barrier makes every store happen first.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
