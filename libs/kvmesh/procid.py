@@ -164,8 +164,8 @@ def _terminate_by_pid(recorded: ProcessIdentity, expect: Callable[[tuple[str, ..
 
 def _still_runs(signalled: ProcessIdentity) -> bool:
     """Whether the process that was signalled (its pid and start time) is neither gone nor a zombie."""
-    stat = _stat_fields(signalled.pid)
-    return stat is not None and stat[0] not in ("Z", "X") and int(stat[19]) == signalled.start_ticks
+    now = ProcessIdentity.of(signalled.pid)  # (its command line may already read empty)
+    return now is not None and now.start_ticks == signalled.start_ticks
 
 
 def _reap(pid: int) -> None:

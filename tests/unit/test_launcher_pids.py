@@ -199,6 +199,7 @@ def test_without_a_pidfd_down_waits_through_an_exit_in_progress(tmp_path, monkey
 
     show("S", argv)
     monkeypatch.setattr(procid, "PROC", tmp_path)
+
     def no_pidfd(pid: int, flags: int = 0) -> int:
         raise OSError(errno.ENOSYS, "pidfd_open")
 
