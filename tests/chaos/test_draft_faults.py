@@ -63,8 +63,11 @@ async def test_the_draft_service_hung_killed_or_answering_garbage_fails_no_reque
     try:
         engine = launcher.start_service(
             "engine", "kvmesh.services.engine",
+            # Every sequence gets drafts in every decode step (--spec-batch-draft-tokens), however
+            # the 16 streams' prefills happen to group them; a first Propose slowed by a loaded
+            # machine still lands (--draft-timeout-s).
             ["--draft-address", draft.address, "--speculation", "ngram", "--draft-retry-s", "0.5",
-             "--kv-cache-bytes", str(64 << 20)],
+             "--draft-timeout-s", "0.5", "--spec-batch-draft-tokens", "2", "--kv-cache-bytes", str(64 << 20)],
             launcher.free_port())
         reference = await run_all(engine.address, long_prompts)
         check("drafts from the draft service", reference, reference)
