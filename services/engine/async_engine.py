@@ -1,7 +1,8 @@
 """The asyncio face of the engine: requests in from gRPC handlers, the step loop on its own thread.
 
-NOTE: threading model. Torch releases the GIL inside its kernels, so the step loop runs on one
-dedicated thread while the asyncio loop keeps serving RPCs. That thread also builds the core
+NOTE: threading model. Torch releases the GIL inside its kernels, and so do kvmesh's own native
+kernels (kvmesh.model.native, NOTE (the GIL)), so the step loop runs on one dedicated thread while
+the asyncio loop keeps serving RPCs. That thread also builds the core
 (loads the model): every parallel torch op of the process then comes from one thread, so
 OpenMP keeps a single team of workers. A second team (say, the model loaded on the main thread,
 steps run on this one) puts more OpenMP threads than cores in the process, and libgomp then

@@ -271,21 +271,39 @@ def _cpu_flags() -> str:
         return ""
 
 
+# NOTE (the GIL). Every function of these extensions is bound with wrap_pybind_function_no_gil:
+# the call releases the GIL once its arguments are converted and takes it back for the result.
+# The bindings `load_inline(functions=...)` generates keep the GIL for the whole call (unlike
+# torch's own ops), and a fused decode step or a prefill matmul is one call of 10-100+ ms: the
+# engine's event-loop thread -- router probes with a ~0.2 s deadline, health checks, streamed
+# tokens, KV fetches -- then waited for it (measured: a 2,048-row gguf_mm_tiled of 86 ms kept
+# another Python thread from running for 92 ms; torch's F.linear of 72 ms, 2 ms). The kernels
+# touch no Python object, only tensors, so nothing in them needs the GIL.
+_BINDINGS = "no-gil-1"
+"""Part of every extension's cache key: a build with other bindings is never loaded."""
+
+
 def extension_dir(source: str, prefix: str = "") -> Path:
     """Where an extension of `source` is built and cached: one folder per source, torch version
     and CPU (-march=native), under the kvmesh cache directory."""
-    digest = hashlib.sha256((source + torch.__version__ + _cpu_flags()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((source + _BINDINGS + torch.__version__ + _cpu_flags()).encode()).hexdigest()[:16]
     return default_cache_dir() / "native" / f"{prefix}{digest}"
 
 
+def _module_source(source: str, functions: list[str]) -> str:
+    defs = "".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in functions)
+    return f"{source}\n\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
+
+
 def load_extension(name: str, source: str, functions: list[str], prefix: str = "", flags: tuple[str, ...] = ()):
-    """Compile (or load the cached build of) a C++ extension of `source` exposing `functions`,
-    -O3 -march=native with OpenMP plus `flags`; raises with the compiler's output."""
+    """Compile (or load the cached build of) a C++ extension of `source` exposing `functions`
+    (each call releases the GIL, see the NOTE), -O3 -march=native with OpenMP plus `flags`;
+    raises with the compiler's output."""
     from torch.utils.cpp_extension import load_inline
 
     folder = extension_dir(source, prefix)
     folder.mkdir(parents=True, exist_ok=True)
-    return load_inline(name=name, cpp_sources=[source], functions=functions,
+    return load_inline(name=name, cpp_sources=[_module_source(source, functions)],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
