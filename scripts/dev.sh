@@ -40,15 +40,18 @@ setup() {
   fi
   # gRPC stubs are generated from protos/ by the build, never committed.
   "$venv/bin/python" -m kvmesh.protogen
-  # The native decode-attention kernel: compiled once (~30 s) into the kvmesh cache, so neither
-  # the engine's first step nor a test pays for it; without a compiler the torch path runs.
-  "$venv/bin/python" -m kvmesh.model.native
-  # The GGUF block kernels of --weights gguf, likewise (~25 s once).
-  "$venv/bin/python" -m kvmesh.model.gguf_native
-  # The fused row kernels (RMSNorm, RoPE, SwiGLU) of prefill chunks, likewise.
-  "$venv/bin/python" -m kvmesh.model.fused_rows
-  # bf16 prefill attention on the AMX tile unit, likewise (where the CPU has AMX).
-  "$venv/bin/python" -m kvmesh.model.amx_attention
+  # The native kernels, each compiled once (~40 s) into the kvmesh cache, so neither the engine's
+  # first step nor a test pays for it; without a compiler the torch paths run. native: decode
+  # attention and skinny matmuls; gguf_native: the GGUF block kernels of --weights gguf;
+  # fused_rows: RMSNorm, RoPE and SwiGLU of prefill chunks; amx_attention: prefill attention on
+  # the AMX tile unit (where the CPU has AMX). Each build is one compiler process, so the four
+  # run side by side: on 2 cores 84 s instead of 165 (a fresh cache). A build that fails fails setup.
+  local pids=() pid
+  for kernels in native gguf_native fused_rows amx_attention; do
+    "$venv/bin/python" -m "kvmesh.model.$kernels" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
 }
 
 case "${1:-}" in
