@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from kvmesh.loadtest.machine import describe, machine_rows
 from kvmesh.loadtest.report import pivot, row
 from kvmesh.threads import set_torch_threads, usable_cores
 
@@ -549,6 +550,9 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
     bm.require_context("engine", longest_sequence(plan), f"its prompts of up to {max(plan.ttft_prompts)} tokens")
     prompts = Prompts(load_tokenizer(model))
     print(f"kvmesh bench engine ({'quick' if quick else 'full'}, model {model}): {plan}", file=sys.stderr)
+    # the machine's own matmul speeds, before any service starts (kvmesh.loadtest.machine's NOTE)
+    machine = machine_rows(usable_cores(), repeats=3 if quick else 7)
+    print(describe(machine), file=sys.stderr)
     base = [*bm.engine_args(), *(engine_args or [])]
     # The deployment default: for a GGUF model on CPU, the file's own blocks (--weights auto =
     # gguf, lossless w.r.t. the file); for an HF folder, fp32.
@@ -567,7 +571,9 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
     else:
         rows += llamacpp_columns(plan, prompts, gguf)
     rows += bench_hf(plan, prompts, model)
+    machine += machine_rows(usable_cores(), repeats=3 if quick else 7, when="end")
+    print(describe(machine))
     print(pivot(rows, "system", baseline="hf"))
     if any(r["system"] == "llamacpp-server" for r in rows):  # the same rows against llama.cpp's server
         print(pivot(rows, "system", baseline="llamacpp-server"))
-    return rows
+    return machine + rows
