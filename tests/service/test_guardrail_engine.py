@@ -67,9 +67,11 @@ def build_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
 
 def engine(loaded, address: str, **overrides) -> AsyncEngine:
     """An engine on the KV service at `address` with CHUNK-token chunks and no prefix cache of its
-    own: every hit comes through the KV service and its codec, every time."""
+    own: every hit comes through the KV service and its codec, every time. Exports run at normal
+    priority: at idle priority (the default) 16 busy streams hold them back, and a later request
+    with the same opening misses the chunks still waiting to be stored."""
     cfg = EngineConfig(kvcache_address=address, num_blocks=512, kv_chunk_tokens=CHUNK, kv_timeout_s=300.0,
-                       enable_prefix_caching=False, **overrides)
+                       enable_prefix_caching=False, kv_export_priority="normal", **overrides)
     core = build_core(cfg, loaded)
     return AsyncEngine(lambda: core)
 
