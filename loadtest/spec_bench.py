@@ -16,7 +16,9 @@ Rows: ``drafter`` (off | ngram | model | adaptive) x ``workload`` x ``concurrenc
 Metrics: ``decode_tok_s`` (concurrency 1: per request, generated tokens after the first over the
 time after the first token, averaged; concurrency 8: all generated tokens over the wall time of
 the batch, i.e. aggregate) and ``accepted_per_step`` (accepted draft tokens per verification
-step, from the engine's usage).
+step, from the engine's usage). The drafters take turns request by request (batch by batch at
+concurrency 8: three batches each, after a pass that puts every prompt in the prefix cache), in
+a rotating order, so the machine's drift does not favour one of them.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class Plan:
 
 
 FULL = Plan()
+BATCH_TURNS = 3
 QUICK = Plan(prompts=4, max_tokens=64)
 
 
@@ -100,31 +103,41 @@ async def _one(stub, req) -> dict:
             "accepted": final.accepted_draft_tokens, "drafted": final.draft_tokens}
 
 
-async def _measure(address: str, reqs: list, concurrency: int) -> tuple[float, float, list]:
+async def _measure(address: str, reqs: dict[str, list], concurrency: int) -> dict[str, tuple[float, float, list]]:
+    """Each drafter's (tok/s, accepted per verify step, outputs) on its requests. The drafters
+    take turns -- one request each at concurrency 1, one batch each otherwise -- in an order that
+    rotates from turn to turn, so that the machine's drift (its speed moves ~10% within a minute
+    here) falls on every drafter alike instead of on whichever ran its requests in that minute."""
     import grpc
 
     from kvmesh.engine.v1 import engine_pb2_grpc
 
+    names = list(reqs)
+    n = len(next(iter(reqs.values())))
+    results: dict[str, list] = {d: [] for d in names}
+    walls: dict[str, float] = {d: 0.0 for d in names}
     async with grpc.aio.insecure_channel(address) as ch:
         stub = engine_pb2_grpc.EngineServiceStub(ch)
-        await _one(stub, reqs[0])  # warm-up (and the draft service's first state for it)
+        for d in names:
+            await _one(stub, reqs[d][0])  # warm-up (and the draft service's first state for it)
+        if concurrency > 1:  # every prompt in the prefix cache: no batch's wall time has a cold prefill
+            await asyncio.gather(*(_one(stub, r) for r in reqs[names[0]][:concurrency]))
+        for turn, i in enumerate(range(0, n, concurrency)):
+            for d in names[turn % len(names):] + names[:turn % len(names)]:
+                t0 = time.perf_counter()
+                results[d] += await asyncio.gather(*(_one(stub, r) for r in reqs[d][i:i + concurrency]))
+                walls[d] += time.perf_counter() - t0
+    out = {}
+    for d in names:
+        rs = results[d]
         if concurrency == 1:
-            results = [await _one(stub, r) for r in reqs]
-            speeds = [(len(r["tokens"]) - 1) / (r["end"] - r["first"]) for r in results if len(r["tokens"]) > 1]
+            speeds = [(len(r["tokens"]) - 1) / (r["end"] - r["first"]) for r in rs if len(r["tokens"]) > 1]
             tok_s = statistics.fmean(speeds)
         else:
-            results = []
-            for i in range(0, len(reqs), concurrency):
-                t0 = time.perf_counter()
-                batch = await asyncio.gather(*(_one(stub, r) for r in reqs[i:i + concurrency]))
-                results.extend(batch)
-                wall = time.perf_counter() - t0
-                results[-1]["wall"] = wall
-            wall = sum(r.get("wall", 0.0) for r in results)
-            tok_s = sum(len(r["tokens"]) for r in results) / wall
-    steps = sum(r["steps"] for r in results)
-    accepted = sum(r["accepted"] for r in results) / steps if steps else 0.0
-    return tok_s, accepted, [r["tokens"] for r in results]
+            tok_s = sum(len(r["tokens"]) for r in rs) / walls[d]
+        steps = sum(r["steps"] for r in rs)
+        out[d] = (tok_s, sum(r["accepted"] for r in rs) / steps if steps else 0.0, [r["tokens"] for r in rs])
+    return out
 
 
 def run(quick: bool = False, model: str = "bundled") -> list[dict]:
@@ -162,12 +175,13 @@ def run(quick: bool = False, model: str = "bundled") -> list[dict]:
             for conc in plan.concurrencies:
                 prompts = texts * (conc // len(texts) + 1) if conc > len(texts) else texts
                 prompts = prompts[:max(len(texts), conc)]
-                baseline = None
+                if conc > 1:  # three batches per drafter, taking turns (one would be all noise)
+                    prompts = prompts * BATCH_TURNS
+                reqs = {d: [_request(tok, t, d, plan.max_tokens) for t in prompts] for d in DRAFTERS}
+                measured = asyncio.run(_measure(engine.address, reqs, conc))
+                baseline = measured["off"][2]
                 for drafter in DRAFTERS:
-                    reqs = [_request(tok, t, drafter, plan.max_tokens) for t in prompts]
-                    tok_s, acc, outputs = asyncio.run(_measure(engine.address, reqs, conc))
-                    if baseline is None:
-                        baseline = outputs
+                    tok_s, acc, outputs = measured[drafter]
                     same = sum(a == b for a, b in zip(outputs, baseline)) / len(outputs)
                     tag = dict(drafter=drafter, workload=workload, concurrency=conc)
                     rows += [row("decode_tok_s", tok_s, "tok/s", **tag),

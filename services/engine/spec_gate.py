@@ -4,13 +4,14 @@ The draft service's adaptive policy prices drafts from acceptance and from costs
 it cannot see is what verification costs in this engine at this batch size, or what its own
 model drafter costs next to this engine's step. Both moved a lot between weight formats: with
 fp32 weights a step of 1-8 decode rows streams the weights once, so 7 drafts cost ~1.5x a plain
-step; the exact GGUF block kernel is compute-bound, so each verified row costs ~40% of a plain
-step and 7 drafts cost ~3.7x. A fixed price is wrong for one of them, and on a noisy 2-core
+step; the exact GGUF block kernel is compute-bound: one decode step of one sequence at a
+600-token context took 10.0 / 11.1 / 16.7 / 19.3 ms with 0 / 1 / 2 / 3 drafts and 34-38 ms with
+4-7 (one-off, in process), so 7 drafts cost ~3.5x. A fixed price is wrong for one of them, and on a noisy 2-core
 machine a comparison of a few steps is wrong half the time. So the gate measures arms.
 
 NOTE (the rule). An arm is what ADAPTIVE requests do in one step: no drafts, n-gram drafts of at
-most 3 or of the engine's full draft length per sequence, or the draft service's adaptive choice
-(`default_arms`). Per batch-size bucket (1, 2, 3-4, 5-8, ...) and arm the gate keeps the last
+most 1, 3 or the engine's full draft length per sequence (looked up in the engine, see
+kvmesh.services.engine.speculator), or the draft service's adaptive choice (`default_arms`). Per batch-size bucket (1, 2, 3-4, 5-8, ...) and arm the gate keeps the last
 `window` pure decode steps it ran: tokens emitted, and seconds from before the Propose call to
 the end of the step, each capped at twice the window's median, so that a step stretched by the
 machine (another process, a page fault) counts as at most twice a typical one.
@@ -63,14 +64,18 @@ class Arm:
 PLAIN = Arm(None, 0)
 
 
-def default_arms(max_draft_tokens: int, short: int = 3) -> tuple[Arm, ...]:
-    """No drafts; n-gram drafts of at most `short` and at most `max_draft_tokens` per sequence
-    (one arm when they are equal); the draft service's adaptive choice at `max_draft_tokens` (its
-    model drafter is the expensive one to explore, so it gets one length)."""
+def default_arms(max_draft_tokens: int, lengths: Sequence[int] = (1, 3)) -> tuple[Arm, ...]:
+    """No drafts; n-gram drafts of at most each of `lengths` and of `max_draft_tokens` per
+    sequence (each length once, none above `max_draft_tokens`); the draft service's adaptive
+    choice at `max_draft_tokens` (its model drafter is the expensive one to explore, so it gets
+    one length). Why 1 and 3 with the default gguf weights (the module NOTE's step costs): a
+    verified row costs ~10% of a plain step for the first draft and much more from the third, so
+    one draft pays from ~10% acceptance (bench spec's chat: the first n-gram draft right 74% of
+    the time, later ones far less), while copying text (extractive) pays up to 3."""
     if max_draft_tokens < 1:
         return (PLAIN,)
-    lengths = sorted({min(short, max_draft_tokens), max_draft_tokens})
-    return (PLAIN, *(Arm(SpecMode.NGRAM, k) for k in lengths), Arm(SpecMode.ADAPTIVE, max_draft_tokens))
+    ks = sorted({min(k, max_draft_tokens) for k in (*lengths, max_draft_tokens) if k >= 1})
+    return (PLAIN, *(Arm(SpecMode.NGRAM, k) for k in ks), Arm(SpecMode.ADAPTIVE, max_draft_tokens))
 
 
 class _Samples:

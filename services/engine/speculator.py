@@ -3,10 +3,21 @@ tokens, and what the verification of a step's drafts emits.
 
 NOTE (who decides what). The engine owns the draft length: `SpecConfig` bounds it by what a step
 can verify cheaply (`draft_tokens`), and the `SpecGate` picks, per step, what ADAPTIVE requests
-do -- no drafts, n-gram drafts of at most 3 or of the full length, or the draft service's
+do -- no drafts, n-gram drafts of at most 1, 3 or the full length, or the draft service's
 adaptive choice -- from the throughput it measured for each at the current batch size. The draft service
 only proposes, up to the length asked, with the drafter named (ADAPTIVE: the one whose
 acceptance it has seen pay). Verification itself is kvmesh.services.engine.speculation.
+
+NOTE (in-process n-gram arms). The gate's n-gram arms look their drafts up in the engine
+(kvmesh.ngram, the draft service's own index, one per request), not through a Propose call:
+the lookup costs microseconds, a Propose round trip ~1.25 ms, and a plain decode step of the
+default gguf weights ~10 ms here, so the call alone cost an n-gram arm 12% before any draft was
+verified: on chat, where the history offers a draft at about one step in three, that was more
+than the accepted drafts gained (bench spec: adaptive 0.92-0.99x no drafts). Requests that name a drafter
+(`ngram`, `model`) and the gate's service arm still ask the draft service, and a step with only
+in-process drafts makes no call (`SpecConfig.local_ngram` False: every draft from the service).
+Drafts looked up in-process are not reported to the service (`accepted`), whose adaptive
+estimates score only its own proposals.
 
 Hooks, called by EngineCore on the step-loop thread:
   * `add` / `release`  a request enters / leaves the engine;
@@ -23,6 +34,7 @@ from typing import Callable, Optional
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
+from kvmesh.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex
 from kvmesh.services.engine.draft_client import DraftClient, DraftQuery
 from kvmesh.services.engine.logits import Processing
 from kvmesh.services.engine.outputs import SPEC_EVENTS, RequestOutput, Timeline
@@ -51,11 +63,31 @@ class SpecConfig:
     """Decode rows a step may give to drafts at full length: up to kvmesh.model.native's
     LINEAR_ROWS a step's matmuls stream the weights once (a 7-draft step costs ~1.5x a plain
     decode here); past that MKL's matrix-matrix code makes every extra row cost more."""
+    local_ngram: bool = True
+    """ADAPTIVE requests' n-gram arms look drafts up in the engine (see the module NOTE); False:
+    from the draft service, like every other draft."""
 
     def draft_tokens(self, speculating: int) -> int:
         """k for each of `speculating` sequences in one step (before each one's own cap)."""
         fit = max(self.step_rows // max(speculating, 1) - 1, 0)
         return max(min(self.max_draft_tokens, fit), min(self.batch_draft_tokens, self.max_draft_tokens))
+
+
+class LocalNgram:
+    """One request's n-gram index over its committed tokens, for the in-process n-gram arms."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.index = NgramIndex(NGRAM_MIN, NGRAM_MAX)
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` drafts continuing `seq`'s committed tokens."""
+        n = seq.num_tokens
+        if n < len(self.tokens):  # committed tokens only grow; were they rewritten, start over
+            self.tokens, self.index = [], NgramIndex(NGRAM_MIN, NGRAM_MAX)
+        self.tokens += seq.token_ids(len(self.tokens), n)
+        self.index.update(self.tokens)
+        return self.index.lookup(self.tokens, max_tokens)
 
 
 @dataclass
@@ -64,6 +96,8 @@ class _Request:
     usage: SpecUsage
     timeline: Timeline
     trace_context: Optional[Context]
+    ngram: Optional[LocalNgram] = None
+    """The request's in-process n-gram index (created at its first in-process lookup)."""
 
 
 Emit = Callable[[Sequence, list[int], list[TokenLogprobs]], RequestOutput]
@@ -79,6 +113,7 @@ class Speculator:
         self.scheduler = scheduler
         self.config = config
         self.gate = gate or SpecGate(default_arms(config.max_draft_tokens))
+        self._local: set[Sequence] = set()  # sequences whose drafts this step were looked up here
         self.totals = SpecUsage()
         """Counters over every request since start."""
         self._requests: dict[str, _Request] = {}
@@ -110,31 +145,46 @@ class Speculator:
         the gate picks for this step (a step it does not measure: the best one it measured)."""
         self._step_start = time.perf_counter()
         self._gated = self._gate_step()
-        if not self.drafts.available:
-            return {}
+        self._local = set()
         arm = self._gated[1] if self._gated is not None else self.gate.current(len(self.scheduler.running))
         candidates = []
         for seq in self.scheduler.running:
-            mode, cap = self._requests[seq.request_id].mode, self.config.max_draft_tokens
+            req = self._requests[seq.request_id]
+            mode, cap, local = req.mode, self.config.max_draft_tokens, False
             if mode is SpecMode.ADAPTIVE:
                 mode, cap = arm.mode, arm.max_draft
+                local = mode is SpecMode.NGRAM and self.config.local_ngram
             if (mode is None or mode is SpecMode.OFF or not seq.output_token_ids
                     or seq.num_tokens - seq.num_computed_tokens != 1):
                 continue
-            if seq.params.max_tokens - seq.num_output_tokens > 1:
-                candidates.append((seq, mode, cap))
+            if (local or self.drafts.available) and seq.params.max_tokens - seq.num_output_tokens > 1:
+                candidates.append((seq, mode, cap, local))
         per_seq = self.config.draft_tokens(len(candidates))
         if not candidates or per_seq == 0:
             return {}
-        queries = [DraftQuery(seq, min(per_seq, cap, seq.params.max_tokens - seq.num_output_tokens - 1), mode)
-                   for seq, mode, cap in candidates]
+        drafts: dict[Sequence, list[int]] = {}
+        queries = []
+        for seq, mode, cap, local in candidates:
+            k = min(per_seq, cap, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if not local:
+                queries.append(DraftQuery(seq, k, mode))
+                continue
+            req = self._requests[seq.request_id]
+            req.ngram = req.ngram or LocalNgram()
+            tokens = req.ngram.propose(seq, k)
+            if tokens:
+                drafts[seq] = tokens
+                self._local.add(seq)
+        if not queries:
+            return drafts
         # The Propose call (one for the batch) becomes a span of the first speculating request.
         first = self._requests[queries[0].seq.request_id]
         token = otel_context.attach(first.trace_context or Context())
         try:
-            return self.drafts.propose(queries)
+            drafts.update(self.drafts.propose(queries))
         finally:
             otel_context.detach(token)
+        return drafts
 
     def _gate_step(self) -> Optional[tuple[int, Arm]]:
         """(batch, what ADAPTIVE requests do) for a pure decode step that has ADAPTIVE requests
@@ -177,7 +227,8 @@ class Speculator:
                 usage.accepted_tokens += accepted
             if not out.finished:
                 self.scheduler.accept_drafts(seq, verdict.num_accepted)
-                self.drafts.accepted(seq.request_id, verdict.num_accepted)
+                if seq not in self._local:
+                    self.drafts.accepted(seq.request_id, verdict.num_accepted)
             outputs.append(out)
         return outputs
 

@@ -84,8 +84,12 @@ def traced_up(data_dir, **plan) -> Iterator[tuple[dict, Receiver]]:
 
 @pytest.fixture(scope="module")
 def traced_stack(tmp_path_factory):
+    # --spec-local-ngram false: the adaptive gate's n-gram arms call the draft service, so a short
+    # answer that drafts at all crosses the Propose hop (by default they look drafts up in the
+    # engine, and a 12-token answer can finish on them before the gate tries the service's arm)
     with traced_up(tmp_path_factory.mktemp("stack"),
-                   engine_args=("--kv-cache-bytes", str(64 << 20), "--kv-chunk-tokens", "64")) as stack:
+                   engine_args=("--kv-cache-bytes", str(64 << 20), "--kv-chunk-tokens", "64",
+                                "--spec-local-ngram", "false")) as stack:
         yield stack
 
 

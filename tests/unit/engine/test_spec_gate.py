@@ -6,7 +6,7 @@ import pytest
 from kvmesh.services.engine.spec_gate import PLAIN, Arm, SpecGate, default_arms
 from kvmesh.services.engine.speculation import SpecMode
 
-NGRAM3, NGRAM7 = Arm(SpecMode.NGRAM, 3), Arm(SpecMode.NGRAM, 7)
+NGRAM1, NGRAM3, NGRAM7 = Arm(SpecMode.NGRAM, 1), Arm(SpecMode.NGRAM, 3), Arm(SpecMode.NGRAM, 7)
 ADAPT3, ADAPT7 = Arm(SpecMode.ADAPTIVE, 3), Arm(SpecMode.ADAPTIVE, 7)
 
 
@@ -36,9 +36,10 @@ def time_share(chosen: list[Arm], arms: dict, arm: Arm) -> float:
 
 
 def test_default_arms_and_bad_settings():
-    assert default_arms(7) == (PLAIN, NGRAM3, NGRAM7, ADAPT7)
-    assert default_arms(3) == (PLAIN, NGRAM3, ADAPT3)
-    assert default_arms(2, short=3) == (PLAIN, Arm(SpecMode.NGRAM, 2), Arm(SpecMode.ADAPTIVE, 2))
+    assert default_arms(7) == (PLAIN, NGRAM1, NGRAM3, NGRAM7, ADAPT7)
+    assert default_arms(3) == (PLAIN, NGRAM1, NGRAM3, ADAPT3)
+    assert default_arms(2) == (PLAIN, NGRAM1, Arm(SpecMode.NGRAM, 2), Arm(SpecMode.ADAPTIVE, 2))
+    assert default_arms(7, lengths=(3,)) == (PLAIN, NGRAM3, NGRAM7, ADAPT7)
     assert default_arms(0) == (PLAIN,)
     with pytest.raises(ValueError):
         SpecGate((PLAIN, PLAIN))
@@ -161,3 +162,44 @@ def test_adaptive_requests_follow_the_arm_and_fixed_modes_do_not(tmp_path):
     assert all("n" in ids for ids in asked if ids)                  # NGRAM requests are not gated
     assert len(n_asks) > len(a_asks) and all(q.drafter == draft_pb2.DRAFTER_NGRAM for q in n_asks)
     assert max(q.max_draft_tokens for q in n_asks) == 4              # nor capped by the arm
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_adaptive_ngram_arms_look_drafts_up_in_the_engine(tmp_path, local):
+    """An ADAPTIVE request on an n-gram arm drafts from its own history in the engine: no Propose
+    call for it (with spec_local_ngram off: from the service), the same drafts, the same tokens."""
+    import time
+
+    from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_tiny_checkpoint
+    from kvmesh.ngram import NGRAM_MAX, NGRAM_MIN, NgramIndex
+    from kvmesh.services.engine.core import EngineRequest
+
+    def service_ngram(rid, history, k):
+        index = NgramIndex(NGRAM_MIN, NGRAM_MAX)
+        index.update(history)
+        return index.lookup(history, k)
+
+    tiny = load_tiny(make_tiny_checkpoint(tmp_path))
+    prompt = [5, 6, 7, 8, 9] * 6
+    outputs = {}
+    for arm in (PLAIN, NGRAM3):
+        fake = FakeDraftService(propose=service_ngram)
+        try:
+            core = make_core(tiny, draft_address=fake.address, spec_max_draft_tokens=3, spec_step_rows=256,
+                             spec_local_ngram=local)
+            core.speculator.gate = SpecGate((arm,))
+            core.add_request(EngineRequest("a", prompt, greedy(20), time.monotonic(), speculation=SpecMode.ADAPTIVE))
+            tokens = []
+            while core.has_work:
+                for out in core.step():
+                    tokens += out.token_ids
+            outputs[arm] = (tokens, core.spec_totals.draft_tokens, core.spec_totals.accepted_tokens)
+            core.drafts.close()
+        finally:
+            fake.stop()
+        asked = [s for c in fake.calls for s in c.sequences if s.max_draft_tokens > 0]
+        if arm == NGRAM3:
+            assert (not asked) if local else asked
+    (plain, none, _), (spec, drafted, accepted) = outputs[PLAIN], outputs[NGRAM3]
+    assert spec == plain and none == 0
+    assert drafted > 0 and accepted > 0   # the repeating prompt gives drafts that are accepted
