@@ -142,7 +142,11 @@ async def test_a_full_lmdb_map_under_load_fails_no_request(tmp_path, monkeypatch
         # A graceful stop finishes the engine's queued exports (KvConnector.close): every Put
         # has been answered before the counters are read.
         launcher.stop_service(engine, timeout_s=120)
-        engine = None
+        engine_log, engine = engine.log, None
+        with open(engine_log, encoding="utf-8", errors="replace") as f:
+            assert "engine: closed" in f.read(), (
+                f"the engine did not finish its graceful stop within 120 s (SIGKILLed: its queued "
+                f"exports were lost, so the counters below would be short); see {engine_log}")
         assert launcher.health(kv.address) == "SERVING"
         metrics = _scrape(metrics_port)
         evictions = metrics["kvmesh_kvcache_tier_evictions_total[('model_name', '*'), ('tier', 'disk')]"]

@@ -103,5 +103,6 @@ async def _serve(cfg: C, name: str, build: Callable[[C, Telemetry], Awaitable[Se
             finally:
                 if service.close is not None:
                     await service.close()
+                log.info("%s: closed", name)  # a stop that got here was not cut short by a SIGKILL
     finally:
         telemetry.shutdown()
