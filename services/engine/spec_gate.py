@@ -5,8 +5,9 @@ it cannot see is what verification costs in this engine at this batch size, or w
 model drafter costs next to this engine's step. Both moved a lot between weight formats: with
 fp32 weights a step of 1-8 decode rows streams the weights once, so 7 drafts cost ~1.5x a plain
 step; the exact GGUF block kernel is compute-bound: one decode step of one sequence at a
-600-token context took 10.0 / 11.1 / 16.7 / 19.3 ms with 0 / 1 / 2 / 3 drafts and 34-38 ms with
-4-7 (one-off, in process), so 7 drafts cost ~3.5x. A fixed price is wrong for one of them, and on a noisy 2-core
+600-token context took 11.05 / 13.59 / 16.62 / 19.69 ms with 0 / 1 / 2 / 3 drafts (medians of
+steps alternating between them) and 34-42 ms with 4-7 (one-off, in process), so 7 drafts cost
+~3.5x. A fixed price is wrong for one of them, and on a noisy 2-core
 machine a comparison of a few steps is wrong half the time. So the gate measures arms.
 
 NOTE (the rule). An arm is what ADAPTIVE requests do in one step: no drafts, n-gram drafts of at
@@ -69,9 +70,9 @@ def default_arms(max_draft_tokens: int, lengths: Sequence[int] = (1, 3)) -> tupl
     sequence (each length once, none above `max_draft_tokens`); the draft service's adaptive
     choice at `max_draft_tokens` (its model drafter is the expensive one to explore, so it gets
     one length). Why 1 and 3 with the default gguf weights (the module NOTE's step costs): a
-    verified row costs ~10% of a plain step for the first draft and much more from the third, so
-    one draft pays from ~10% acceptance (bench spec's chat: the first n-gram draft right 74% of
-    the time, later ones far less), while copying text (extractive) pays up to 3."""
+    verified row costs ~23% of a plain step for the first draft and ~3x a plain step from the
+    fifth row, so one draft pays from ~23% acceptance (bench spec's chat: the first n-gram draft
+    right 74% of the time, later ones far less), while copying text (extractive) pays up to 3."""
     if max_draft_tokens < 1:
         return (PLAIN,)
     ks = sorted({min(k, max_draft_tokens) for k in (*lengths, max_draft_tokens) if k >= 1})
