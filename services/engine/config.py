@@ -57,6 +57,8 @@ class EngineConfig:
     spec_batch_draft_tokens: int = setting(0, "Draft tokens per sequence at least, even past --spec-step-rows (0: steps whose speculating sequences cannot each get a draft within --spec-step-rows verify none; raise it where batched verification is cheap, e.g. on a GPU).", min=0, max=MAX_DRAFT_TOKENS)
     spec_step_rows: int = setting(8, "Decode rows a step may fill with full-length drafts: up to 8, fp32 CPU steps stream the weights once for all rows (kvmesh.model.native); beyond, every extra row costs more.", min=1, max=256)
     spec_local_ngram: bool = setting(True, "Adaptive requests' n-gram drafts are looked up in the engine (microseconds) instead of through a Propose call to the draft service (~1 ms, about a tenth of a gguf decode step); requests that name a drafter, and the adaptive model/service choice, still use the draft service.")
+    spec_ngram_min: int = setting(2, "Shortest suffix n-gram the engine's in-process n-gram lookup (--spec-local-ngram) matches; the draft service's --ngram-min is its own.", min=1, max=32)
+    spec_ngram_max: int = setting(4, "Longest suffix n-gram the engine's in-process n-gram lookup matches; the draft service's --ngram-max is its own.", min=1, max=32)
     draft_timeout_s: float = setting(0.1, "Deadline of one Propose call (all speculating sequences of a step); a late or failed call means plain decoding for that step.", min=0.001)
     draft_retry_s: float = setting(2.0, "After a failed Propose call, decode without drafts for this long before calling the draft service again.", min=0.0)
     blend_recompute_ratio: float = setting(1.0, "Prompts with documents: share of the reused document tokens whose KV is recomputed with the new context. 1 (the default) is exact: documents are computed in place and reused only as exact prefixes. Below 1 opts every such prompt of the deployment into blending, which is lossy (0 = pure reuse); a request opts in alone with blend.recompute_ratio.", min=0.0, max=1.0)
@@ -95,6 +97,9 @@ class EngineConfig:
         if self.role == "prefill" and not self.kvcache_address:
             raise ConfigError("--role prefill hands its prompts' KV to decode engines through the KV-cache "
                               "service: set --kvcache-address (KVMESH_ENGINE_KVCACHE_ADDRESS)")
+        if self.spec_ngram_min > self.spec_ngram_max:
+            raise ConfigError(f"--spec-ngram-min {self.spec_ngram_min} exceeds --spec-ngram-max "
+                              f"{self.spec_ngram_max}; use min <= max (e.g. 2 and 4)")
         if self.weights == "fp32" and self.dtype != "float32":
             raise ConfigError("--weights fp32 needs --dtype float32; use --weights auto to follow the dtype")
 

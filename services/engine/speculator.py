@@ -66,6 +66,14 @@ class SpecConfig:
     local_ngram: bool = True
     """ADAPTIVE requests' n-gram arms look drafts up in the engine (see the module NOTE); False:
     from the draft service, like every other draft."""
+    ngram_min: int = NGRAM_MIN
+    ngram_max: int = NGRAM_MAX
+    """The suffix n-gram lengths the in-process lookup matches (the draft service's own
+    --ngram-min/--ngram-max are its settings, not these)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}")
 
     def draft_tokens(self, speculating: int) -> int:
         """k for each of `speculating` sequences in one step (before each one's own cap)."""
@@ -76,15 +84,15 @@ class SpecConfig:
 class LocalNgram:
     """One request's n-gram index over its committed tokens, for the in-process n-gram arms."""
 
-    def __init__(self) -> None:
+    def __init__(self, n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX) -> None:
         self.tokens: list[int] = []
-        self.index = NgramIndex(NGRAM_MIN, NGRAM_MAX)
+        self.index = NgramIndex(n_min, n_max)
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Up to `max_tokens` drafts continuing `seq`'s committed tokens."""
         n = seq.num_tokens
         if n < len(self.tokens):  # committed tokens only grow; were they rewritten, start over
-            self.tokens, self.index = [], NgramIndex(NGRAM_MIN, NGRAM_MAX)
+            self.tokens, self.index = [], NgramIndex(self.index.n_min, self.index.n_max)
         self.tokens += seq.token_ids(len(self.tokens), n)
         self.index.update(self.tokens)
         return self.index.lookup(self.tokens, max_tokens)
@@ -170,7 +178,7 @@ class Speculator:
                 queries.append(DraftQuery(seq, k, mode))
                 continue
             req = self._requests[seq.request_id]
-            req.ngram = req.ngram or LocalNgram()
+            req.ngram = req.ngram or LocalNgram(self.config.ngram_min, self.config.ngram_max)
             tokens = req.ngram.propose(seq, k)
             if tokens:
                 drafts[seq] = tokens

@@ -203,3 +203,40 @@ def test_adaptive_ngram_arms_look_drafts_up_in_the_engine(tmp_path, local):
     (plain, none, _), (spec, drafted, accepted) = outputs[PLAIN], outputs[NGRAM3]
     assert spec == plain and none == 0
     assert drafted > 0 and accepted > 0   # the repeating prompt gives drafts that are accepted
+
+
+def test_in_process_ngram_range_follows_the_engine_settings(tmp_path):
+    """--spec-ngram-min/--spec-ngram-max set the lengths the engine's own lookup matches: a
+    history whose only repeated suffix is a bigram drafts at min 2 and not at min 3; min > max is
+    refused naming both flags; build_core hands the range to the speculator's lookups."""
+    from engine_utils import FakeDraftService, load_tiny, make_core, make_tiny_checkpoint
+    from kvmesh.config import ConfigError
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.speculator import LocalNgram, SpecConfig
+
+    class History:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        @property
+        def num_tokens(self):
+            return len(self.tokens)
+
+        def token_ids(self, start, end):
+            return self.tokens[start:end]
+
+    history = History([1, 2, 9, 3, 1, 2])          # suffix (1, 2) seen before, (3, 1, 2) never
+    assert LocalNgram(2, 4).propose(history, 3)[0] == 9
+    assert LocalNgram(3, 4).propose(history, 3) == []
+    with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
+        SpecConfig(ngram_min=5, ngram_max=4)
+    with pytest.raises(ConfigError, match="--spec-ngram-min 5 exceeds --spec-ngram-max 4"):
+        EngineConfig(spec_ngram_min=5, spec_ngram_max=4).validate()
+    fake = FakeDraftService(propose=lambda rid, history, k: [])
+    try:
+        core = make_core(load_tiny(make_tiny_checkpoint(tmp_path)), draft_address=fake.address,
+                         spec_ngram_min=3, spec_ngram_max=6)
+        assert (core.speculator.config.ngram_min, core.speculator.config.ngram_max) == (3, 6)
+        core.drafts.close()
+    finally:
+        fake.stop()
