@@ -208,10 +208,13 @@ def test_adaptive_ngram_arms_look_drafts_up_in_the_engine(tmp_path, local):
 def test_in_process_ngram_range_follows_the_engine_settings(tmp_path):
     """--spec-ngram-min/--spec-ngram-max set the lengths the engine's own lookup matches: a
     history whose only repeated suffix is a bigram drafts at min 2 and not at min 3; min > max is
-    refused naming both flags; build_core hands the range to the speculator's lookups."""
-    from engine_utils import FakeDraftService, load_tiny, make_core, make_tiny_checkpoint
+    refused naming both flags; a request's in-process index gets the range build_core was given."""
+    import time
+
+    from engine_utils import FakeDraftService, greedy, load_tiny, make_core, make_tiny_checkpoint
     from kvmesh.config import ConfigError
     from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.core import EngineRequest
     from kvmesh.services.engine.speculator import LocalNgram, SpecConfig
 
     class History:
@@ -236,7 +239,16 @@ def test_in_process_ngram_range_follows_the_engine_settings(tmp_path):
     try:
         core = make_core(load_tiny(make_tiny_checkpoint(tmp_path)), draft_address=fake.address,
                          spec_ngram_min=3, spec_ngram_max=6)
-        assert (core.speculator.config.ngram_min, core.speculator.config.ngram_max) == (3, 6)
+        core.speculator.gate = SpecGate((NGRAM3,))
+        core.add_request(EngineRequest("a", [5, 6, 7, 8, 9] * 6, greedy(4), time.monotonic(),
+                                       speculation=SpecMode.ADAPTIVE))
+        lookups = []
+        while core.has_work:
+            core.step()
+            req = core.speculator._requests.get("a")
+            if req is not None and req.ngram is not None:
+                lookups.append((req.ngram.index.n_min, req.ngram.index.n_max))
+        assert lookups and set(lookups) == {(3, 6)}   # the request's own index took the engine's range
         core.drafts.close()
     finally:
         fake.stop()
