@@ -22,7 +22,7 @@ import httpx
 from kvmesh.loadtest.harness import systems, workloads
 from kvmesh.loadtest.harness.report import plot, rows, table
 from kvmesh.loadtest.harness.runner import Target, run_level, scrape_hits
-from kvmesh.loadtest.harness.stats import Slo, Summary, parse_slos, summarize
+from kvmesh.loadtest.harness.stats import Summary, parse_slos, summarize
 
 
 def add_parser(sub) -> None:
@@ -93,12 +93,6 @@ async def _describe(name: str, url: str, args, extra: dict | None = None) -> Tar
     return Target(url.rstrip("/"), model, args.api_key, documents, extra)
 
 
-def paced_step_ms(slo: Slo | None) -> float:
-    """The paced systems' --step-target-ms: 0.8 x the TPOT bound of --slo (a step's time is a
-    decoding request's time per token, and the fitted cost line is rough), 120 ms without one."""
-    return round(0.8 * slo.tpot * 1000, 1) if slo is not None and slo.tpot else 120.0
-
-
 def run_systems(args) -> list[tuple[dict, Summary]]:
     """--compare: each system started, measured at every level, stopped, in turn."""
     names = [s.strip() for s in args.compare.split(",") if s.strip()]
@@ -111,8 +105,7 @@ def run_systems(args) -> list[tuple[dict, Summary]]:
     levels: list[tuple[dict, Summary]] = []
     for name in names:
         with systems.serving(name, parallel=max(users or [16]),
-                             slo_ttft_s=slo.ttft if slo is not None and slo.ttft else 2.0,
-                             step_target_ms=paced_step_ms(slo)) as served:
+                             slo_ttft_s=slo.ttft if slo is not None and slo.ttft else 2.0) as served:
             levels += asyncio.run(_run(args, [(name, served.url, served.extra)]))
     return levels
 

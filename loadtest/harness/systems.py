@@ -12,10 +12,6 @@ while it is measured), on the bundled GGUF:
                    concurrent request, its prompt cache on (its default: its own KV reuse)
   kvmesh-slo       the default stack with SLO-aware admission on (the gateway's --slo-ttft-s =
                    the TTFT bound of --slo, 2 s without one); not in the default --compare set
-  kvmesh-paced     the default stack with the engine's step-time target on (--step-target-ms =
-                   0.8 x the TPOT bound of --slo, 120 ms without one): steps that carry decodes
-                   take only the prefill that fits; not in the default --compare set
-  kvmesh-noreuse-paced  its ablation: kvmesh-noreuse with the same step-time target
   kvmesh-pd        prefill/decode disaggregation: `kvmesh up --pd 1:1 --pin-engines`, one prefill
                    and one decode engine, each pinned to its share of the cores
   kvmesh-2x        its colocated baseline: `kvmesh up --replicas 2 --pin-engines`, two whole-request
@@ -39,9 +35,7 @@ from kvmesh import launcher
 from kvmesh.threads import usable_cores
 
 SYSTEMS = ("kvmesh", "kvmesh-blend", "kvmesh-noreuse", "llamacpp-server")
-KNOWN = (*SYSTEMS, "kvmesh-slo", "kvmesh-paced", "kvmesh-noreuse-paced", "kvmesh-pd", "kvmesh-2x")
-NOREUSE = ("--enable-prefix-caching=false", "--kvcache-address=")
-"""Engine flags of the ablation: no engine prefix cache, no KV-cache service."""
+KNOWN = (*SYSTEMS, "kvmesh-slo", "kvmesh-pd", "kvmesh-2x")
 BLEND = {"kvmesh": {"lossy": {"recompute_ratio": 0.15}}}
 
 
@@ -109,19 +103,13 @@ def _llama_server(parallel: int, per_slot: int) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving(system: str, *, parallel: int = 16, per_slot: int = 4096, slo_ttft_s: float = 2.0,
-            step_target_ms: float = 120.0) -> Iterator[Served]:
-    """Starts `system` (see the module docstring) and stops it on exit; `step_target_ms` is the
-    paced systems' --step-target-ms."""
+def serving(system: str, *, parallel: int = 16, per_slot: int = 4096, slo_ttft_s: float = 2.0) -> Iterator[Served]:
+    """Starts `system` (see the module docstring) and stops it on exit."""
     if system in ("kvmesh", "kvmesh-blend"):
         with _stack() as url:
             yield Served(url, BLEND if system == "kvmesh-blend" else None)
     elif system == "kvmesh-slo":
         with _stack(gateway_args=(f"--slo-ttft-s={slo_ttft_s:g}",)) as url:
-            yield Served(url)
-    elif system in ("kvmesh-paced", "kvmesh-noreuse-paced"):
-        noreuse = NOREUSE if system == "kvmesh-noreuse-paced" else ()
-        with _stack((*noreuse, f"--step-target-ms={step_target_ms:g}")) as url:
             yield Served(url)
     elif system == "kvmesh-pd":
         with _stack(up_args=("--pd=1:1", "--pin-engines")) as url:
@@ -130,7 +118,7 @@ def serving(system: str, *, parallel: int = 16, per_slot: int = 4096, slo_ttft_s
         with _stack(up_args=("--replicas=2", "--pin-engines")) as url:
             yield Served(url)
     elif system == "kvmesh-noreuse":
-        with _stack(NOREUSE) as url:
+        with _stack(("--enable-prefix-caching=false", "--kvcache-address=")) as url:
             yield Served(url)
     elif system == "llamacpp-server":
         with _llama_server(parallel, per_slot) as url:

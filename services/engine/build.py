@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
                clock: Callable[[], float] = time.monotonic) -> EngineCore:
     """Loads the model (unless given), cuts it to `cfg.num_layers` and builds a ready EngineCore
-    sized by `cfg`. `clock` times the draft client's back-off and the steps (tests pass a fake one)."""
+    sized by `cfg`. `clock` times the draft client's back-off (tests pass a fake one)."""
     if loaded is None:
         loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, weights=cfg.weight_format)
     loaded = serve_layers(loaded, cfg)
@@ -49,7 +49,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
     sched = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         solo_prefill_tokens=cfg.solo_prefill_tokens, max_model_len=max_len, block_size=cfg.block_size,
-        max_waiting=cfg.max_waiting, step_target_s=cfg.step_target_ms / 1000)
+        max_waiting=cfg.max_waiting)
     log.info("KV pool: %d blocks x %d tokens = %.1f MiB", num_blocks, cfg.block_size,
              runner.kv_cache_bytes / 2**20)
     return EngineCore(loaded, runner, sched, namespace=engine_namespace(loaded),
@@ -61,7 +61,7 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
                       blend=BlendConfig(cfg.blend_recompute_ratio, cfg.blend_select_layers,
                                         cfg.blend_selection).for_model(loaded.config.num_layers),
                       quality_budget=QualityBudget(cfg.quality_max_kl, cfg.quality_min_top1),
-                      guardrail=build_guardrail(cfg), clock=clock)
+                      guardrail=build_guardrail(cfg))
 
 
 def cuda_graph_sizes(cfg: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:

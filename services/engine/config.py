@@ -35,7 +35,6 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "Max sequences in one batch.", min=1)
     max_num_batched_tokens: int = setting(512, "Per-step token budget (decodes + prefill chunks).", min=16)
     solo_prefill_tokens: int = setting(2048, "Per-step token budget while no sequence is decoding: a prompt prefilled alone delays nobody's next token, so it runs in bigger chunks (fewer passes over its growing KV, bigger matmuls; the same answer). Values up to --max-num-batched-tokens turn it off.", min=0)
-    step_target_ms: float = setting(0.0, "Time target of a step that carries decodes, in ms: such a step computes only the tokens the engine's recent steps say fit in it (a line fitted to the last 64 steps' times), at least its decodes plus 16 prefill tokens, at most --max-num-batched-tokens. Running requests keep their time per output token while prompts wait longer (TPOT for TTFT): set it under your TPOT SLO where prefill is slow (a CPU without a tile unit). 0 (the default) = off: every step may fill --max-num-batched-tokens. The same answer either way.", min=0.0)
     max_waiting: int = setting(1024, "Queue cap; requests beyond it get RESOURCE_EXHAUSTED.", min=1)
     enable_prefix_caching: bool = setting(True, "Reuse full KV blocks of identical prompt prefixes inside the engine.")
     kvcache_address: Optional[str] = setting(None, "host:port of the KV-cache service; unset = in-engine prefix cache only.")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -88,11 +88,8 @@ class EngineCore:
                  namespace: KvNamespace, enable_prefix_caching: bool = True,
                  kv: Optional[KvConnector] = None, drafts: Optional[DraftClient] = None,
                  spec: SpecConfig = SpecConfig(), blend: BlendConfig = BlendConfig(),
-                 quality_budget: QualityBudget = DEFAULT_BUDGET, guardrail: Optional[Guardrail] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 quality_budget: QualityBudget = DEFAULT_BUDGET, guardrail: Optional[Guardrail] = None) -> None:
         self.loaded = loaded
-        self._clock = clock
-        """Times each step for the scheduler's step-time target (tests pass a fake one)."""
         self.tokenizer = loaded.tokenizer
         self.runner = runner
         self.namespace = namespace
@@ -274,7 +271,6 @@ class EngineCore:
         if not self.scheduler.has_work and self.guardrail is not None and self.guardrail.pending:
             self._run_guard_check()  # spare capacity: nothing else to compute
             return []
-        started = self._clock()
         self.blender.before_schedule()
         drafts = self.speculator.propose() if self.speculator is not None else {}
         out = self.scheduler.schedule(drafts)
@@ -305,7 +301,6 @@ class EngineCore:
             draws = [self._states[d.seq.request_id].draws for d in result.drafts]
             outputs += self.speculator.verify(result.drafts, draws, self._emit, self._draft_processing(result.drafts))
             self.speculator.end_step(sum(len(o.token_ids) for o in outputs))
-        self.scheduler.observe_step(out.num_batched_tokens, self._clock() - started)
         return outputs
 
     def _processing(self, states: list[_State]) -> Optional[Processing]:

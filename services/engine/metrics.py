@@ -239,11 +239,6 @@ class CoreCollector:
                 ("spec_resyncs", "Sequences the draft service asked to resend whole.", stats.resyncs))
         if core.guardrail is not None:
             yield from _guard_metrics(core.guardrail.snapshot())
-        timed = core.scheduler.timed_budget
-        if timed is not None:
-            yield GaugeMetricFamily(_name("step_budget_tokens"), "Tokens a step carrying the running "
-                                    "sequences' decodes may compute now under --step-target-ms.",
-                                    value=timed.budget(core.scheduler.num_running))
 
 
 def _counters(*rows: tuple[str, str, int]):

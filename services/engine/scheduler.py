@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.services.engine.block_manager import BlockManager
 from kvmesh.services.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvmesh.services.engine.step_budget import StepBudget
 
 if TYPE_CHECKING:
     from kvmesh.services.engine.sequence import KvPayload
@@ -33,10 +32,6 @@ class SchedulerConfig:
     """Tokens per KV block; must match the BlockManager's."""
     max_waiting: int = 1024
     """Most queued requests; `Scheduler.add` refuses more with ResourceExhausted."""
-    step_target_s: float = 0.0
-    """Time target of a step that carries decodes (kvmesh.services.engine.step_budget): its token
-    budget is what the engine's recent steps say fits in it; 0 (the default) = off, every step
-    may use max_num_batched_tokens."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
@@ -44,8 +39,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.solo_prefill_tokens < 0:
             raise ValueError(f"solo_prefill_tokens must be >= 0, got {self.solo_prefill_tokens}")
-        if self.step_target_s < 0:
-            raise ValueError(f"step_target_s must be >= 0 (0 = off), got {self.step_target_s}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -131,9 +124,7 @@ class SchedulerOutput:
 # kernels that round a short chunk's rows differently (MKL's fp32 sgemm) move the last bits, as
 # any chunk boundary (a prefix-cache hit's remainder) already does. Requests that arrive meanwhile
 # wait for the step to end, as they would wait for the older prompt's later chunks under strict
-# FCFS. With a step-time target (step_target_s, --step-target-ms) a step that carries decodes
-# spends instead what the engine's recent steps say fits in that time
-# (kvmesh.services.engine.step_budget): decodes keep their pace while prompts wait.
+# FCFS.
 #
 # Draft tokens (speculative decoding) are tokens to compute like any other. A decode offered k
 # drafts computes 1 + k tokens: its last known token and the drafts, whose logits verify them.
@@ -175,9 +166,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
-        self.timed_budget = (StepBudget(config.step_target_s, config.max_num_batched_tokens)
-                            if config.step_target_s > 0 else None)
-        """Sizes the budget of steps that carry decodes (None: --step-target-ms off)."""
 
     @property
     def num_running(self) -> int:
@@ -240,8 +228,6 @@ class Scheduler:
         step_budget = self.config.max_num_batched_tokens
         if not decodes:
             step_budget = max(step_budget, self.config.solo_prefill_tokens)
-        elif self.timed_budget is not None:  # every decode, some prefill (step_budget NOTE)
-            step_budget = self.timed_budget.budget(len(decodes))
         budget = step_budget
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -301,11 +287,6 @@ class Scheduler:
             num_batched_tokens=step_budget - budget,
             imports=imports,
         )
-
-    def observe_step(self, num_batched_tokens: int, seconds: float) -> None:
-        """How long a scheduled step took to compute (the engine's clock), for --step-target-ms."""
-        if self.timed_budget is not None:
-            self.timed_budget.observe(num_batched_tokens, seconds)
 
     def _add_drafts(self, scheduled: list[ScheduledSeq], reserved: dict[int, int],
                     drafts: Mapping[Sequence, list[int]]) -> int:
