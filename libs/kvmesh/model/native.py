@@ -10,7 +10,14 @@ largest part of a 32-sequence decode step's attention (~15 ms of ~26 ms, one-off
 (decode row, KV head), the query heads sharing that KV head together (GQA), scores over the
 row's blocks, an exact softmax (max-subtracted, two passes over the scores), then the weighted
 sum of values -- keys and values each read once, nothing copied. fp32 only; rows may have
-different contexts (no padding, no mask). It is an ordinary C++ function compiled with
+different contexts (no padding, no mask). With AVX-512 and head sizes of 64 or 128, each task is
+written with intrinsics for its number of query heads (1-8): the query vectors and the output
+accumulators stay in registers, each key row is loaded once for all of them, blocks are walked
+without a division per position and the next block's row is prefetched. The plain loops it
+replaced (kept for other CPUs and head sizes) kept partial sums and outputs in memory; on the
+2-core EPYC (one-off, /tmp script, 30 rows x 550 positions x 30 layers of SmolLM2-135M) they took
+78-91 ms a step (~10 GB/s of KV), the intrinsics 36-41 ms (~21 GB/s). Decode rows beside a
+prefill chunk take this kernel (steps of decodes only take kvmesh.model.gguf_decode's). It is an ordinary C++ function compiled with
 ``torch.utils.cpp_extension.load_inline`` (g++, ninja; ~30 s once, then cached under the
 kvmesh cache directory), vectorised by the compiler (-O3 -march=native, explicit 16-lane
 partial sums; -ffast-math for a vectorised exp) and split over the calling thread's OpenMP team
@@ -56,6 +63,87 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// One decode task (a row's KV head and its G query heads) with explicit AVX-512: the G query
+// vectors stay in registers, a key row is loaded once for all of them and each score is one
+// in-register reduction; the value pass keeps the G x V output accumulators in registers and
+// stores them once. Blocks are walked block by block (no division per position), and the next
+// block's row at the same offset is prefetched, since consecutive blocks lie anywhere in the pool.
+template <int G, int V>
+static void decode_task(const float* __restrict qh, const float* __restrict kc, const float* __restrict vc,
+                        const int64_t* __restrict blocks, int64_t ctx, int64_t BS, int64_t row_stride,
+                        int64_t hoff, float sc, float* __restrict scores, float* __restrict oh) {
+  __m512 qv[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) qv[g][v] = _mm512_loadu_ps(qh + g * V * 16 + v * 16);
+  const int64_t nblk = (ctx + BS - 1) / BS;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float* base = kc + blocks[b] * BS * row_stride + hoff;
+    const float* next = b + 1 < nblk ? kc + blocks[b + 1] * BS * row_stride + hoff : nullptr;
+    const int64_t n = std::min(BS, ctx - b * BS);
+    float* sb = scores + b * BS;
+    for (int64_t p = 0; p < n; ++p) {
+      const float* kp = base + p * row_stride;
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + p * row_stride), _MM_HINT_T0);
+      __m512 kv[V];
+      for (int v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(kp + v * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qv[g][v], kv[v], acc);
+        sb[g * ctx + p] = _mm512_reduce_add_ps(acc) * sc;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // exact softmax per query head
+    float* sg = scores + g * ctx;
+    const float mx = *std::max_element(sg, sg + ctx);
+    float sum = 0.f;
+    for (int64_t pos = 0; pos < ctx; ++pos) { sg[pos] = std::exp(sg[pos] - mx); sum += sg[pos]; }
+    const float inv = 1.f / sum;
+    for (int64_t pos = 0; pos < ctx; ++pos) sg[pos] *= inv;
+  }
+  __m512 acc[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblk; ++b) {
+    const float* base = vc + blocks[b] * BS * row_stride + hoff;
+    const float* next = b + 1 < nblk ? vc + blocks[b + 1] * BS * row_stride + hoff : nullptr;
+    const int64_t n = std::min(BS, ctx - b * BS);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* vp = base + p * row_stride;
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + p * row_stride), _MM_HINT_T0);
+      __m512 vv[V];
+      for (int v = 0; v < V; ++v) vv[v] = _mm512_loadu_ps(vp + v * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * ctx + b * BS + p]);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(w, vv[v], acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(oh + g * V * 16 + v * 16, acc[g][v]);
+}
+
+using DecodeTask = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                            int64_t, float, float*, float*);
+
+template <int V>
+static DecodeTask decode_task_for(int64_t G) {
+  switch (G) {
+    case 1: return decode_task<1, V>;
+    case 2: return decode_task<2, V>;
+    case 3: return decode_task<3, V>;
+    case 4: return decode_task<4, V>;
+    case 5: return decode_task<5, V>;
+    case 6: return decode_task<6, V>;
+    case 7: return decode_task<7, V>;
+    case 8: return decode_task<8, V>;
+  }
+  return nullptr;
+}
+#endif
+
 // q [D, H, hd] fp32 contiguous; k_cache, v_cache [NB, BS, KVH, hd] fp32 contiguous;
 // block_tables [D, W] int64 (row d's blocks); ctx_lens [D] int64 (keys row d attends to).
 // Returns [D, H, hd]: softmax(q k^T * scale) v over positions 0..ctx_lens[d]-1 of row d.
@@ -85,6 +173,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   // at::parallel_for: that one's first call on a thread re-initialises the thread count from
   // ATen's process-wide value, which the KV codec threads set to 1 -- it would have left the
   // step loop single-threaded (measured: prefill 1.7x slower once a KV service was linked).
+#if defined(__AVX512F__)
+  const DecodeTask task = hd == 64 ? decode_task_for<4>(G) : (hd == 128 ? decode_task_for<8>(G) : nullptr);
+#endif
   #pragma omp parallel
   {
     std::vector<float> scores;
@@ -93,6 +184,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       const int64_t d = t / KVH, h = t % KVH;
       const int64_t ctx = cl[d];
       scores.resize(G * ctx);
+#if defined(__AVX512F__)
+      if (task != nullptr) {
+        task(qp + (d * H + h * G) * hd, kc, vc, bt + d * W, ctx, BS, row_stride, h * hd, sc, scores.data(),
+             op + (d * H + h * G) * hd);
+        continue;
+      }
+#endif
       const float* qh = qp + (d * H + h * G) * hd;  // the G query heads of KV head h, adjacent
       // scores: each key row is loaded once for all G query heads; 16-lane partial sums
       // (one vector register each) keep the reduction vectorised.
