@@ -2,8 +2,8 @@
 extension after its block kernels (it calls their ``Lin``, ``make_lin`` and ``mm_rows``); the
 Python side is kvmesh.model.quant.GGUFDecode.
 
-NOTE (what one call does). A step whose T <= 64 rows (GGUF_ROWS) are all decodes (or tokens of a draft being
-verified, each a decode row over the same blocks) runs every decoder layer in one OpenMP region:
+NOTE (what one call does). A step whose T <= 64 rows (GGUF_ROWS) are all decodes (or tokens of a
+draft being verified, each a decode row over the same blocks) runs every decoder layer in one OpenMP region:
 RMSNorm, qkv (+bias), RoPE, the new keys/values into the paged cache, attention over each row's
 blocks in place, o (+bias) + residual, RMSNorm, gate/up, SiLU * up, down + residual, then the
 final norm. Each matmul splits its output rows over the team (an orphaned ``omp for``); norms and

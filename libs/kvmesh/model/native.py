@@ -15,10 +15,10 @@ written with intrinsics for its number of query heads (1-8): the query vectors a
 accumulators stay in registers, each key row is loaded once for all of them, blocks are walked
 without a division per position and the next block's row is prefetched. The plain loops it
 replaced (kept for other CPUs and head sizes) kept partial sums and outputs in memory; on the
-2-core EPYC (one-off, /tmp script, 30 rows x 550 positions x 30 layers of SmolLM2-135M) they took
-78-91 ms a step (~10 GB/s of KV), the intrinsics 36-41 ms (~21 GB/s). Decode rows beside a
-prefill chunk take this kernel (steps of decodes only take kvmesh.model.gguf_decode's). It is an ordinary C++ function compiled with
-``torch.utils.cpp_extension.load_inline`` (g++, ninja; ~30 s once, then cached under the
+2-core EPYC (one-off timing, 30 rows x 550 positions x 30 layers of SmolLM2-135M) they took 78-91
+ms a step (~10 GB/s of KV), the intrinsics 36-41 ms (~21 GB/s). Decode rows beside a prefill
+chunk take this kernel (steps of decodes only take kvmesh.model.gguf_decode's). It is an
+ordinary C++ function compiled with ``torch.utils.cpp_extension.load_inline`` (g++, ninja; ~30 s once, then cached under the
 kvmesh cache directory), vectorised by the compiler (-O3 -march=native, explicit 16-lane
 partial sums; -ffast-math for a vectorised exp) and split over the calling thread's OpenMP team
 (the extension links libgomp.so.1 by soname, which resolves to the copy torch already loaded, so
