@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvmesh.model import amx_attention
+from kvmesh.model import amx_attention, cpu_attention
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.native import LINEAR_ROWS, paged_decode_kernel
 
@@ -297,15 +297,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # strided 3-D views (measured: 24 vs 75 ms for a 512x2048 chunk of one layer).
         qs = q[p.start:p.start + p.q_len]  # [q, heads, hd]
         window_mask = meta.window_prefill_mask(i, window) if window is not None else None
-        if window_mask is None and amx_attention.usable(q):
-            # bf16 or fp32 on CPU with AMX: causal attention on the tile unit (kvmesh.model.amx_attention)
+        # bf16 or fp32 on CPU with AMX: causal attention on the tile unit (kvmesh.model.amx_attention);
+        # fp32 on CPU with AVX-512 but no AMX: the same scheme with FMAs (kvmesh.model.cpu_attention)
+        kernel = (None if window_mask is not None else amx_attention if amx_attention.usable(q)
+                  else cpu_attention if cpu_attention.usable(q) else None)
+        if kernel is not None:
             if p.blocks is None:
                 ks, vs = k[p.start:p.start + p.q_len], v[p.start:p.start + p.q_len]
             else:
                 ks = meta.gather_blocks(k_cache, p.blocks, "pk")[: p.ctx_len]
                 vs = meta.gather_blocks(v_cache, p.blocks, "pv")[: p.ctx_len]
-            if amx_attention.causal_attention_(out[p.start:p.start + p.q_len], qs, ks, vs,
-                                               p.ctx_len - p.q_len, scale):
+            if kernel.causal_attention_(out[p.start:p.start + p.q_len], qs, ks, vs, p.ctx_len - p.q_len, scale):
                 continue
         if p.blocks is None:
             # All keys are new and the mask is plain causal (or the window's): SDPA's GQA reads

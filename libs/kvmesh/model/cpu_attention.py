@@ -1,0 +1,219 @@
+"""Causal prefill attention in fp32 with AVX-512 FMAs, for CPUs without AMX (kvmesh.model.amx_attention
+runs where the tile unit is).
+
+NOTE (why). On a 2-core AMD EPYC (Zen 4: AVX-512, no AMX) torch's CPU flash attention ran a
+430-token prompt's 30 layers in ~170 ms of a ~1,000 ms forward (one-off profile), 30-80 GFLOP/s
+of causal work depending on the length (430 tokens were slower than 512: its blocking fits some
+lengths badly), and 2,048 tokens in ~47 ms a layer. Prefill compute is what bounds time to first
+token on that CPU (fp32 matmuls at the FMA bound), so the attention's share is worth taking back.
+
+NOTE (how). The scheme of kvmesh.model.amx_attention, with FMAs instead of tiles: a task is one
+query head and a block of 16 queries; it works on transposed scores, so that one vector register
+holds one key's scores for the 16 queries and the online softmax (running max, exponentials,
+running sum) is element-wise across registers, never a horizontal reduction. The queries are
+transposed once per task (Q^T [head dims][16], scaled), each score is a chain of FMAs over the
+head dims in order (a broadcast key element times a Q^T row), and O^T [head dims][16] += the
+broadcast value element times the key's weights, 8 head dims at a time in registers. Keys are
+taken 16 at a time from key 0; keys past a query's position are left out of its max and get
+weight 0, and a block with no key a query sees leaves its max, sum and output unchanged bit for
+bit (a factor of exactly 1, additions of 0). So a query's output depends only on its own
+position's keys, not on where its chunk starts or ends: a prompt attended in one chunk or in
+several over cached context gives the same bits (tested). Numerics are fp32 throughout, with e^x
+within 2 ulp (kvmesh.model.gguf_decode's exp16); the tests hold it within torch's own fp32 SDPA
+error of SDPA in fp64.
+
+NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` against keys
+``0 .. offset + Lq - 1``; fp32; head dims 16, 32, 64, 80, 96 and 128; GQA by query-head groups.
+Elsewhere (other dtypes or head dims, sliding windows, no AVX-512, ``KVMESH_NATIVE=0``, no
+compiler) the caller runs torch's SDPA. Tasks are spread over the calling thread's OpenMP team,
+the blocks with the most keys first.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from kvmesh.model.gguf_decode import EXP16_SOURCE
+from kvmesh.model.native import NativeModule, load_extension
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX512F__)
+""" + EXP16_SOURCE + r"""
+constexpr int QB = 16, KB = 16;  // queries per task (one register's lanes), keys per step
+
+// Rows of token i: q + i * sq + head * D (k, v, out likewise); Lk = offset + Lq keys.
+template <int D>
+static void causal_f32(const float* q, const float* k, const float* v, float* out, int64_t sq, int64_t sk,
+                       int64_t sv, int64_t so, int64_t Lq, int64_t H, int64_t KVH, int64_t offset, float scale) {
+  const int64_t G = H / KVH, nqb = (Lq + QB - 1) / QB;
+  #pragma omp parallel
+  {
+    alignas(64) float qt[D][QB];
+    alignas(64) float o[D][QB];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * nqb; ++task) {
+      const int64_t qb = nqb - 1 - task / H, hq = task % H, hk = hq / G;  // the most keys first
+      const int64_t q0 = qb * QB, nq = std::min<int64_t>(QB, Lq - q0);
+      for (int d = 0; d < D; ++d)
+        for (int i = 0; i < QB; ++i) qt[d][i] = i < nq ? q[(q0 + i) * sq + hq * D + d] * scale : 0.f;
+      for (int d = 0; d < D; ++d) _mm512_store_ps(o[d], _mm512_setzero_ps());
+      const int64_t last = offset + q0 + nq - 1;  // the block's last query's position: keys 0..last
+      const __m512i qpos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + q0)));
+      const float* kh = k + hk * D;
+      const float* vh = v + hk * D;
+      __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
+      for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+        // keys past `last` read the row of `last` (memory that exists) and are masked below
+        __m512 s[KB];
+        for (int j0 = 0; j0 < KB; j0 += 8) {
+          const float* kp[8];
+          for (int j = 0; j < 8; ++j) kp[j] = kh + std::min<int64_t>(k0 + j0 + j, last) * sk;
+          __m512 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+          for (int d = 0; d < D; ++d) {
+            const __m512 qv = _mm512_load_ps(qt[d]);
+            for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kp[j][d]), a[j]);
+          }
+          for (int j = 0; j < 8; ++j) s[j0 + j] = a[j];
+        }
+        // Masked keys stay out of the max (a later key's large score must not underflow the
+        // weights of queries before it) and get weight 0. Every query sees key 0, so each real
+        // lane's max is finite from the first step on.
+        const bool diag = k0 + KB - 1 > offset + q0;
+        __mmask16 valid[KB];
+        __m512 mx = m;
+        for (int j = 0; j < KB; ++j) {
+          valid[j] = diag ? _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32((int)(k0 + j))) : (__mmask16)0xFFFF;
+          mx = _mm512_mask_max_ps(mx, valid[j], mx, s[j]);
+        }
+        const __m512 alpha = exp16(_mm512_sub_ps(m, mx));  // exactly 1 where the max did not move
+        m = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < KB; ++j) {
+          s[j] = _mm512_maskz_mov_ps(valid[j], exp16(_mm512_sub_ps(s[j], mx)));
+          sum = _mm512_add_ps(sum, s[j]);
+        }
+        l = _mm512_fmadd_ps(l, alpha, sum);
+        for (int d0 = 0; d0 < D; d0 += 8) {
+          __m512 a[8];
+          for (int dd = 0; dd < 8; ++dd) a[dd] = _mm512_mul_ps(_mm512_load_ps(o[d0 + dd]), alpha);
+          for (int j = 0; j < KB; ++j) {
+            const float* vp = vh + std::min<int64_t>(k0 + j, last) * sv + d0;
+            for (int dd = 0; dd < 8; ++dd) a[dd] = _mm512_fmadd_ps(_mm512_set1_ps(vp[dd]), s[j], a[dd]);
+          }
+          for (int dd = 0; dd < 8; ++dd) _mm512_store_ps(o[d0 + dd], a[dd]);
+        }
+      }
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+      for (int d = 0; d < D; ++d) _mm512_store_ps(o[d], _mm512_mul_ps(_mm512_load_ps(o[d]), inv));
+      for (int64_t i = 0; i < nq; ++i) {
+        float* dst = out + (q0 + i) * so + hq * D;
+        for (int d = 0; d < D; ++d) dst[d] = o[d][i];
+      }
+    }
+  }
+}
+#endif
+
+bool available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+static bool head_dim_ok(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 80 || d == 96 || d == 128; }
+
+static void check_rows(const torch::Tensor& t, int64_t d, const char* what) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 3 && t.size(2) == d && t.stride(2) == 1 && t.stride(1) == d,
+              "causal_attention: ", what, " must be fp32 [tokens, heads, head_dim], each token's heads contiguous");
+}
+
+// out [Lq, H, D] = causal attention of q [Lq, H, D] over k, v [Lk, KVH, D] (fp32; each token's
+// heads contiguous, tokens at any stride), Lk = offset + Lq.
+void causal_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t offset, double scale) {
+  const int64_t D = q.dim() == 3 ? q.size(2) : 0;
+  TORCH_CHECK(head_dim_ok(D), "causal_attention: head_dim must be 16, 32, 64, 80, 96 or 128");
+  check_rows(out, D, "out"); check_rows(q, D, "q"); check_rows(k, D, "k"); check_rows(v, D, "v");
+  TORCH_CHECK(out.sizes() == q.sizes(), "causal_attention: out must be shaped like q");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(1) % k.size(1) == 0, "causal_attention: k, v alike; H a multiple of KVH");
+  TORCH_CHECK(offset >= 0 && k.size(0) == offset + q.size(0), "causal_attention: Lk must be offset + Lq");
+#if defined(__AVX512F__)
+  if (q.size(0) == 0) return;
+  auto run = [&](auto kernel) {
+    kernel(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), q.stride(0),
+           k.stride(0), v.stride(0), out.stride(0), q.size(0), q.size(1), k.size(1), offset, (float)scale);
+  };
+  switch (D) {
+    case 16: run(causal_f32<16>); break;
+    case 32: run(causal_f32<32>); break;
+    case 64: run(causal_f32<64>); break;
+    case 80: run(causal_f32<80>); break;
+    case 96: run(causal_f32<96>); break;
+    default: run(causal_f32<128>); break;
+  }
+#else
+  TORCH_CHECK(false, "causal_attention: built without AVX-512");
+#endif
+}
+"""
+
+
+def _build():
+    return load_extension("kvmesh_cpu_attention", _SOURCE, ["available", "causal_attention"], "cpuattn-")
+
+
+# the compiled module where it is built and this CPU has AVX-512, else None
+_kernels = NativeModule(lambda: _build(), "AVX-512 attention kernel", log, accept=lambda m: m.available())
+_ops = _kernels.get
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+"""The head sizes the kernel is instantiated for."""
+
+
+def prepare() -> bool:
+    """Build (or find on disk) the kernel now; whether it runs here."""
+    return _ops() is not None
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether the kernel runs for queries like q: fp32 on a CPU with AVX-512, a head size it
+    takes, no autograd to record (k, v and out must be fp32 too)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3 and q.shape[-1] in HEAD_DIMS
+            and not (torch.is_grad_enabled() and q.requires_grad) and _ops() is not None)
+
+
+def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                      scale: float) -> bool:
+    """out [Lq, H, D] = causal attention of q [Lq, H, D] (positions offset..offset+Lq-1) over
+    k, v [Lk, KVH, D] (Lk = offset + Lq), all fp32; False (nothing written) where the kernel does
+    not apply and the caller runs SDPA. Tokens may lie at any stride; each token's heads must be
+    contiguous."""
+    tensors = (out, q, k, v)
+    d = q.shape[-1] if q.dim() == 3 else 0
+    if d not in HEAD_DIMS or any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 3
+                                 or t.shape[-1] != d or t.stride(2) != 1 or t.stride(1) != d for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    ops = _ops()
+    if ops is None:
+        return False
+    ops.causal_attention(out, q, k, v, int(offset), float(scale))
+    return True
+
+
+if __name__ == "__main__":  # `python -m kvmesh.model.cpu_attention`: build (or find) the kernel now
+    logging.basicConfig(level=logging.INFO)
+    print(f"AVX-512 attention: {'ready' if _ops() is not None else 'unavailable, SDPA runs'}")
