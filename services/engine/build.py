@@ -41,8 +41,8 @@ def build_core(cfg: EngineConfig, loaded: LoadedModel | None = None, *,
     if loaded.device.type == "cpu" and loaded.model_dtype == torch.float32:
         paged_decode_kernel()  # built (or loaded from the cache) now, not on the first decode step
     if loaded.device.type == "cpu" and loaded.model_dtype in amx_attention.DTYPES:
-        if not amx_attention.prepare() and loaded.model_dtype == torch.float32:  # likewise for prefill
-            cpu_attention.prepare()  # attention, not on the first prompt (AVX-512 without AMX)
+        if not amx_attention.prepare():  # likewise for prefill attention, not on the first prompt
+            cpu_attention.prepare()  # (AVX-512 without AMX)
     num_blocks = cfg.num_blocks or blocks_for_budget(loaded, cfg.block_size, cfg.kv_cache_bytes)
     max_len = cfg.max_model_len or loaded.config.context_length
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.block_size,

@@ -298,7 +298,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qs = q[p.start:p.start + p.q_len]  # [q, heads, hd]
         window_mask = meta.window_prefill_mask(i, window) if window is not None else None
         # bf16 or fp32 on CPU with AMX: causal attention on the tile unit (kvmesh.model.amx_attention);
-        # fp32 on CPU with AVX-512 but no AMX: the same scheme with FMAs (kvmesh.model.cpu_attention)
+        # fp32 or bf16 on CPU with AVX-512 but no AMX: the same scheme with fp32 FMAs (kvmesh.model.cpu_attention)
         kernel = (None if window_mask is not None else amx_attention if amx_attention.usable(q)
                   else cpu_attention if cpu_attention.usable(q) else None)
         if kernel is not None:

@@ -22,15 +22,17 @@ several over cached context gives the same bits (tested). Numerics are fp32 thro
 within 2 ulp (kvmesh.model.gguf_decode's exp16); the tests hold it within torch's own fp32 SDPA
 error of SDPA in fp64.
 
-NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` against keys
-``0 .. offset + Lq - 1``; fp32; head dims 16, 32, 64, 80, 96 and 128; GQA by query-head groups.
-Elsewhere (other dtypes or head dims, sliding windows, no AVX-512, ``KVMESH_NATIVE=0``, no
-compiler) the caller runs torch's SDPA. Tasks are spread over the calling thread's OpenMP team,
-the blocks with the most keys first.
+NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` against keys ``0 ..
+offset + Lq - 1``; fp32, and bf16 converted to fp32 for it (the output rounded to bf16 once: closer
+to fp32 attention than a bf16 flash attention, whose weights are bf16); head dims 16, 32, 64, 80,
+96 and 128; GQA by query-head groups. Elsewhere (fp16, other head dims, sliding windows, no
+AVX-512, ``KVMESH_CPU_ATTENTION=0`` or ``KVMESH_NATIVE=0``, no compiler) the caller runs torch's
+SDPA. Tasks are spread over the calling thread's OpenMP team, the blocks with the most keys first.
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -174,8 +176,13 @@ def _build():
     return load_extension("kvmesh_cpu_attention", _SOURCE, ["available", "causal_attention"], "cpuattn-")
 
 
-# the compiled module where it is built and this CPU has AVX-512, else None
-_kernels = NativeModule(lambda: _build(), "AVX-512 attention kernel", log, accept=lambda m: m.available())
+def _accept(module) -> bool:
+    """A built module runs where the CPU has AVX-512, unless KVMESH_CPU_ATTENTION=0 (comparisons)."""
+    return module.available() and os.environ.get("KVMESH_CPU_ATTENTION", "1") != "0"
+
+
+# the compiled module where it is built and accepted, else None
+_kernels = NativeModule(lambda: _build(), "AVX-512 attention kernel", log, accept=_accept)
 _ops = _kernels.get
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
@@ -187,30 +194,40 @@ def prepare() -> bool:
     return _ops() is not None
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+"""fp32, and bf16 attended in fp32 (converted on the way in, the output rounded to bf16 once)."""
+
+
 def usable(q: torch.Tensor) -> bool:
-    """Whether the kernel runs for queries like q: fp32 on a CPU with AVX-512, a head size it
-    takes, no autograd to record (k, v and out must be fp32 too)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3 and q.shape[-1] in HEAD_DIMS
+    """Whether the kernel runs for queries like q: fp32 or bf16 on a CPU with AVX-512, a head
+    size it takes, no autograd to record (k, v and out must have q's dtype)."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and q.dim() == 3 and q.shape[-1] in HEAD_DIMS
             and not (torch.is_grad_enabled() and q.requires_grad) and _ops() is not None)
 
 
 def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
                       scale: float) -> bool:
     """out [Lq, H, D] = causal attention of q [Lq, H, D] (positions offset..offset+Lq-1) over
-    k, v [Lk, KVH, D] (Lk = offset + Lq), all fp32; False (nothing written) where the kernel does
-    not apply and the caller runs SDPA. Tokens may lie at any stride; each token's heads must be
-    contiguous."""
+    k, v [Lk, KVH, D] (Lk = offset + Lq), all fp32 or all bf16 (computed in fp32); False (nothing
+    written) where the kernel does not apply and the caller runs SDPA. Tokens may lie at any
+    stride; each token's heads must be contiguous."""
     tensors = (out, q, k, v)
     d = q.shape[-1] if q.dim() == 3 else 0
-    if d not in HEAD_DIMS or any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 3
-                                 or t.shape[-1] != d or t.stride(2) != 1 or t.stride(1) != d for t in tensors):
+    if d not in HEAD_DIMS or q.dtype not in DTYPES or any(
+            t.device.type != "cpu" or t.dtype != q.dtype or t.dim() != 3 or t.shape[-1] != d
+            or t.stride(2) != 1 or t.stride(1) != d for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     ops = _ops()
     if ops is None:
         return False
-    ops.causal_attention(out, q, k, v, int(offset), float(scale))
+    if q.dtype == torch.float32:
+        ops.causal_attention(out, q, k, v, int(offset), float(scale))
+    else:
+        o32 = torch.empty(out.shape, dtype=torch.float32)
+        ops.causal_attention(o32, q.float(), k.float(), v.float(), int(offset), float(scale))
+        out.copy_(o32)
     return True
 
 

@@ -92,19 +92,45 @@ def test_a_masked_key_with_a_huge_score_changes_nothing(offset):
     assert (out.double() - exact).abs().max().item() < 2e-5
 
 
+@needs_avx512
+@pytest.mark.parametrize("lq, offset, heads, kvh, hd", SHAPES[::3])
+def test_bf16_is_fp32_attention_rounded_once(lq, offset, heads, kvh, hd):
+    """bf16 q, k, v are attended in fp32: the output is the fp32 kernel's on the same (bf16)
+    values, rounded to bf16, so no further from fp32 SDPA than one bf16 rounding."""
+    q, k, v = (t.bfloat16() for t in fused(lq, offset, heads, kvh, hd, spread=2.0))
+    out = torch.full((lq, heads, hd), float("nan"), dtype=torch.bfloat16)
+    assert cpu_attention.causal_attention_(out, q, k, v, offset, hd ** -0.5)
+    in_fp32 = torch.empty(lq, heads, hd)
+    assert cpu_attention.causal_attention_(in_fp32, q.float(), k.float(), v.float(), offset, hd ** -0.5)
+    assert torch.equal(out, in_fp32.bfloat16())
+    exact = reference(q, k, v, offset, hd ** -0.5, torch.float64)
+    torch_bf16 = (reference(q, k, v, offset, hd ** -0.5, torch.bfloat16) - exact).abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= torch_bf16 + 1e-6
+
+
 def test_refuses_what_it_does_not_compute():
-    """bf16, fp16, mixed dtypes, head sizes it has no instance for and tokens whose heads are not
+    """fp16, mixed dtypes, head sizes it has no instance for and tokens whose heads are not
     contiguous return False (the caller runs SDPA) and write nothing."""
     q, k, v = fused(8, 0, 4, 2)
     out = torch.zeros(8, 4, 64)
-    assert not cpu_attention.causal_attention_(out.bfloat16(), q.bfloat16(), k.bfloat16(), v.bfloat16(), 0, 0.125)
-    assert not cpu_attention.causal_attention_(out.half(), q.half(), k.half(), v.half(), 0, 0.125)
     assert not cpu_attention.causal_attention_(out, q, k.bfloat16(), v, 0, 0.125)
     q48 = torch.zeros(8, 2, 48)
     assert not cpu_attention.causal_attention_(q48.clone(), q48, q48[:, :1], q48[:, :1], 0, 0.1)
     assert not cpu_attention.causal_attention_(out, q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 0, 0.1)
-    assert not cpu_attention.usable(q.bfloat16()) and not cpu_attention.usable(q48)
+    assert not cpu_attention.usable(q.half()) and not cpu_attention.usable(q48)
     assert torch.count_nonzero(out) == 0
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    """KVMESH_CPU_ATTENTION=0 turns a built module down (SDPA runs), for comparisons."""
+    class Built:
+        def available(self):
+            return True
+
+    monkeypatch.setenv("KVMESH_CPU_ATTENTION", "0")
+    assert not cpu_attention._accept(Built())
+    monkeypatch.delenv("KVMESH_CPU_ATTENTION")
+    assert cpu_attention._accept(Built())
 
 
 @needs_avx512
