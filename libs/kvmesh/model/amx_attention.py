@@ -523,17 +523,26 @@ def usable(q: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and q.requires_grad) and _ops() is not None)
 
 
+def kernel_takes(tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...], head_dims: tuple[int, ...]) -> bool:
+    """Whether (out, q, k, v) fit a CPU causal-attention kernel (this one or
+    kvmesh.model.cpu_attention): all on the CPU in q's dtype, one of `dtypes`, each [tokens, heads,
+    d] with d in `head_dims` and each token's heads contiguous, and no autograd to record."""
+    q = tensors[1]
+    d = q.shape[-1] if q.dim() == 3 else 0
+    if d not in head_dims or q.dtype not in dtypes or any(
+            t.device.type != "cpu" or t.dtype != q.dtype or t.dim() != 3 or t.shape[-1] != d
+            or t.stride(2) != 1 or t.stride(1) != d for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
                       scale: float) -> bool:
     """out [Lq, H, 64] = causal attention of q [Lq, H, 64] (positions offset..offset+Lq-1) over
     k, v [Lk, KVH, 64] (Lk = offset + Lq), all bf16 or all fp32, on the tile unit; False (nothing written) where
     the kernel does not apply and the caller runs SDPA. Tokens may lie at any stride (q, k, v
     as slices of a fused projection); each token's heads must be contiguous."""
-    tensors = (out, q, k, v)
-    if any(t.device.type != "cpu" or t.dtype != q.dtype or q.dtype not in DTYPES or t.dim() != 3 or t.shape[-1] != HEAD_DIM
-           or t.stride(2) != 1 or t.stride(1) != HEAD_DIM for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not kernel_takes((out, q, k, v), DTYPES, (HEAD_DIM,)):
         return False
     ops = _ops()
     if ops is None:

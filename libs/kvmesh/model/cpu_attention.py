@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from kvmesh.model.amx_attention import kernel_takes
 from kvmesh.model.gguf_decode import EXP16_SOURCE
 from kvmesh.model.native import NativeModule, load_extension
 
@@ -211,13 +212,7 @@ def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     k, v [Lk, KVH, D] (Lk = offset + Lq), all fp32 or all bf16 (computed in fp32); False (nothing
     written) where the kernel does not apply and the caller runs SDPA. Tokens may lie at any
     stride; each token's heads must be contiguous."""
-    tensors = (out, q, k, v)
-    d = q.shape[-1] if q.dim() == 3 else 0
-    if d not in HEAD_DIMS or q.dtype not in DTYPES or any(
-            t.device.type != "cpu" or t.dtype != q.dtype or t.dim() != 3 or t.shape[-1] != d
-            or t.stride(2) != 1 or t.stride(1) != d for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not kernel_takes((out, q, k, v), DTYPES, HEAD_DIMS):
         return False
     ops = _ops()
     if ops is None:

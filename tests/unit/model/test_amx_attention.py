@@ -72,14 +72,18 @@ def test_fp32_is_as_close_to_exact_as_torch_fp32(lq, offset, heads, kvh):
 def test_later_keys_never_reach_earlier_queries(dtype):
     """Changing the keys and values after position p leaves the outputs of queries up to p
     bit for bit: the causal mask, including inside a 32-key block and a 128-key step."""
-    q, k, v = fused(150, 0, 9, 3, seed=1, dtype=dtype)
+    check_later_keys(amx_attention, *fused(150, 0, 9, 3, seed=1, dtype=dtype))
+
+
+def check_later_keys(kernel, q, k, v):
+    """`kernel`'s outputs for queries up to 69 stay bit for bit when keys and values from 70 on change."""
     before = torch.empty_like(q)
-    amx_attention.causal_attention_(before, q, k, v, 0, 0.125)
+    kernel.causal_attention_(before, q, k, v, 0, 0.125)
     k2, v2 = k.clone(), v.clone()
     k2[70:] = 5.0
     v2[70:] = -3.0
     after = torch.empty_like(q)
-    amx_attention.causal_attention_(after, q, k2, v2, 0, 0.125)
+    kernel.causal_attention_(after, q, k2, v2, 0, 0.125)
     assert torch.equal(before[:70], after[:70])
     assert not torch.equal(before[70:], after[70:])
 
@@ -127,6 +131,12 @@ def test_bad_shapes_get_a_clear_error():
 def test_paged_attention_uses_it_for_prefill(chunks, dtype, atol, monkeypatch):
     """paged_attention in bf16 and fp32 on CPU sends prefill chunks to the kernel, and its
     outputs match the SDPA path's to the dtype's rounding."""
+    check_paged_attention_uses(amx_attention, chunks, dtype, atol, monkeypatch)
+
+
+def check_paged_attention_uses(kernel, chunks, dtype, atol, monkeypatch):
+    """paged_attention sends each prefill chunk to `kernel` at its offset, and matches the SDPA
+    path's outputs (`kernel.usable` turned off) within atol."""
     heads, kvh, hd, bs = 9, 3, 64, 4
     total = sum(chunks)
     g = torch.Generator().manual_seed(3)
@@ -147,14 +157,14 @@ def test_paged_attention_uses_it_for_prefill(chunks, dtype, atol, monkeypatch):
         return torch.cat(outs)
 
     calls = []
-    real = amx_attention.causal_attention_
-    monkeypatch.setattr(amx_attention, "causal_attention_", lambda *a: calls.append(a[4]) or real(*a))
+    real = kernel.causal_attention_
+    monkeypatch.setattr(kernel, "causal_attention_", lambda *a: calls.append(a[4]) or real(*a))
     with_kernel = run()
     assert calls == [sum(chunks[:i]) for i in range(len(chunks))]  # each chunk, at its offset
-    monkeypatch.setattr(amx_attention, "usable", lambda q: False)
+    monkeypatch.setattr(kernel, "usable", lambda q: False)
     without = run()
     torch.testing.assert_close(with_kernel.float(), without.float(), rtol=0, atol=atol)
-    assert attention.amx_attention is amx_attention
+    assert getattr(attention, kernel.__name__.rsplit(".", 1)[1]) is kernel  # the module attention.py calls
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -180,6 +190,12 @@ def test_a_masked_key_with_a_huge_score_changes_nothing(offset, dtype, atol):
     """A chunk whose 16-query blocks straddle a 128-key step (offset 120: queries 120..127 see
     no key of the step at 128): a later key whose score dwarfs every other is masked for them,
     so their outputs stay finite and equal the reference."""
+    check_masked_huge_score(amx_attention, offset, dtype, atol)
+
+
+def check_masked_huge_score(kernel, offset, dtype, atol):
+    """40 queries at `offset` and a key (at 128, or offset + 20) whose score (~320) dwarfs every
+    other: `kernel` masks it for the queries before it (finite outputs within atol of fp64)."""
     g = torch.Generator().manual_seed(4)
     lq, heads, kvh = 40, 2, 1
     u = torch.randn(64, generator=g).sign()  # every query points the same way
@@ -188,7 +204,7 @@ def test_a_masked_key_with_a_huge_score_changes_nothing(offset, dtype, atol):
     v = torch.randn(offset + lq, kvh, 64, generator=g).to(dtype)
     k[128 if offset == 120 else offset + 20] = (40 * u).to(dtype)  # score ~320 for every query
     out = torch.empty_like(q)
-    assert amx_attention.causal_attention_(out, q, k, v, offset, 0.125)
+    assert kernel.causal_attention_(out, q, k, v, offset, 0.125)
     exact = reference(q, k, v, offset, 0.125, torch.float64)
     assert torch.isfinite(out.float()).all()
     assert (out.double() - exact).abs().max().item() < atol

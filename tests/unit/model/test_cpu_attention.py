@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.model import amx_attention, attention, cpu_attention
-from kvmesh.model.attention import AttentionMetadata, paged_attention
+from kvmesh.model import amx_attention, cpu_attention
 
-from .test_amx_attention import reference
+from .test_amx_attention import check_later_keys, check_masked_huge_score, check_paged_attention_uses, reference
 
 needs_avx512 = pytest.mark.skipif(cpu_attention._ops() is None,
                                   reason="no AVX-512 here (or the kernel could not be built)")
@@ -46,16 +45,7 @@ def test_is_as_close_to_exact_as_torch_fp32(lq, offset, heads, kvh, hd):
 def test_later_keys_never_reach_earlier_queries():
     """Changing the keys and values after position p leaves the outputs of queries up to p bit
     for bit, inside a 16-key step as across steps."""
-    q, k, v = fused(150, 0, 9, 3, seed=1)
-    before = torch.empty_like(q)
-    cpu_attention.causal_attention_(before, q, k, v, 0, 0.125)
-    k2, v2 = k.clone(), v.clone()
-    k2[70:] = 5.0
-    v2[70:] = -3.0
-    after = torch.empty_like(q)
-    cpu_attention.causal_attention_(after, q, k2, v2, 0, 0.125)
-    assert torch.equal(before[:70], after[:70])
-    assert not torch.equal(before[70:], after[70:])
+    check_later_keys(cpu_attention, *fused(150, 0, 9, 3, seed=1))
 
 
 @needs_avx512
@@ -78,18 +68,7 @@ def test_a_query_has_the_same_bits_however_its_prompt_is_chunked(cut):
 def test_a_masked_key_with_a_huge_score_changes_nothing(offset):
     """A later key whose score dwarfs every other is masked for the queries before it (inside a
     16-key step and in the step after theirs), so their outputs stay finite and exact."""
-    g = torch.Generator().manual_seed(4)
-    lq, heads, kvh = 40, 2, 1
-    u = torch.randn(64, generator=g).sign()  # every query points the same way
-    q = u.expand(lq, heads, 64) + 0.1 * torch.randn(lq, heads, 64, generator=g)
-    k = 0.3 * torch.randn(offset + lq, kvh, 64, generator=g)
-    v = torch.randn(offset + lq, kvh, 64, generator=g)
-    k[128 if offset == 120 else offset + 20] = 40 * u  # score ~320 for every query
-    out = torch.empty_like(q)
-    assert cpu_attention.causal_attention_(out, q, k, v, offset, 0.125)
-    exact = reference(q, k, v, offset, 0.125, torch.float64)
-    assert torch.isfinite(out).all()
-    assert (out.double() - exact).abs().max().item() < 2e-5
+    check_masked_huge_score(cpu_attention, offset, torch.float32, 2e-5)
 
 
 @needs_avx512
@@ -145,38 +124,12 @@ def test_bad_shapes_get_a_clear_error():
 
 @needs_avx512
 @pytest.mark.parametrize("chunks", [[37], [20, 17]])  # one whole prompt; a chunk over cached context
-def test_paged_attention_uses_it_without_amx(chunks, monkeypatch):
-    """paged_attention in fp32 on a CPU without AMX sends prefill chunks to the kernel, and its
-    outputs match the SDPA path's to fp32 rounding."""
-    heads, kvh, hd, bs = 9, 3, 64, 4
-    total = sum(chunks)
-    g = torch.Generator().manual_seed(3)
-    q_all = torch.randn(total, heads, hd, generator=g)
-    k_all, v_all = torch.randn(2, total, kvh, hd, generator=g).unbind(0)
-    tables = torch.randperm(16, generator=g)[None]
-
-    def run():
-        kc, vc = torch.zeros(2, 16, bs, kvh, hd).unbind(0)
-        outs, start = [], 0
-        for n in chunks:
-            pos = torch.arange(start, start + n)
-            slots = tables[0, pos // bs] * bs + pos % bs
-            meta = AttentionMetadata.build(slots, [n], [start + n], tables, bs)
-            sl = slice(start, start + n)
-            outs.append(paged_attention(q_all[sl], k_all[sl], v_all[sl], kc, vc, meta, hd ** -0.5))
-            start += n
-        return torch.cat(outs)
-
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 3e-2), (torch.float32, 2e-5)])
+def test_paged_attention_uses_it_without_amx(chunks, dtype, atol, monkeypatch):
+    """paged_attention in fp32 and bf16 on a CPU without AMX sends prefill chunks to the kernel,
+    and its outputs match the SDPA path's to the dtype's rounding."""
     monkeypatch.setattr(amx_attention, "usable", lambda q: False)
-    calls = []
-    real = cpu_attention.causal_attention_
-    monkeypatch.setattr(cpu_attention, "causal_attention_", lambda *a: calls.append(a[4]) or real(*a))
-    with_kernel = run()
-    assert calls == [sum(chunks[:i]) for i in range(len(chunks))]  # each chunk, at its offset
-    monkeypatch.setattr(cpu_attention, "usable", lambda q: False)
-    without = run()
-    torch.testing.assert_close(with_kernel, without, rtol=0, atol=2e-5)
-    assert attention.cpu_attention is cpu_attention
+    check_paged_attention_uses(cpu_attention, chunks, dtype, atol, monkeypatch)
 
 
 def test_an_fp32_engine_without_amx_builds_the_kernel_at_start(tmp_path, monkeypatch):
