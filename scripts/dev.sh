@@ -44,10 +44,11 @@ setup() {
   # first step nor a test pays for it; without a compiler the torch paths run. native: decode
   # attention and skinny matmuls; gguf_native: the GGUF block kernels of --weights gguf;
   # fused_rows: RMSNorm, RoPE and SwiGLU of prefill chunks; amx_attention: prefill attention on
-  # the AMX tile unit (where the CPU has AMX). Each build is one compiler process, so the four
-  # run side by side: on 2 cores 84 s instead of 165 (a fresh cache). A build that fails fails setup.
+  # the AMX tile unit (where the CPU has AMX); cpu_attention: the same with AVX-512 FMAs (where it
+  # has no AMX). Each build is one compiler process, so they run side by side: on 2 cores 84 s
+  # for the first four instead of 165 (a fresh cache). A build that fails fails setup.
   local pids=() pid
-  for kernels in native gguf_native fused_rows amx_attention; do
+  for kernels in native gguf_native fused_rows amx_attention cpu_attention; do
     "$venv/bin/python" -m "kvmesh.model.$kernels" &
     pids+=($!)
   done
