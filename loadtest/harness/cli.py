@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from kvmesh.loadtest.harness import systems, workloads
-from kvmesh.loadtest.harness.report import plot, rows, table
+from kvmesh.loadtest.harness.report import peak_goodput, peak_text, plot, rows, table
 from kvmesh.loadtest.harness.runner import Target, run_level, scrape_hits
 from kvmesh.loadtest.harness.stats import Summary, parse_slos, summarize
 
@@ -56,6 +56,11 @@ def add_parser(sub) -> None:
                    help="rag: send documents through kvmesh's `documents` extension (auto: when the target's "
                         "/openapi.json has it), else inline them")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole sweep this many times (under --compare each system restarted, in the "
+                        "same order, every repeat); repeat r is seeded --seed + r, so a server that stays up "
+                        "gains nothing from the repeat before; each system's peak goodput is then reported "
+                        "as min/median/max")
     p.add_argument("--json", help="write rows {params..., metric, value, unit} here")
     p.add_argument("--plot", help="write a PNG of latency percentiles and goodput vs rate here")
 
@@ -154,6 +159,8 @@ async def _run(args, targets: list[tuple[str, str, dict | None]] | None = None) 
 
 
 def run(args) -> int:
+    if args.repeats < 1:
+        raise SystemExit(f"kvmesh loadtest: --repeats must be at least 1 (got {args.repeats})")
     try:  # a bad workload option fails here, before any system is started
         workloads.make(args.workload, 1, seed=args.seed, max_tokens=args.max_tokens, trace=args.trace,
                        sessions=args.sessions)
@@ -161,11 +168,19 @@ def run(args) -> int:
             parse_slos(args.slo)
     except (ValueError, OSError) as e:
         raise SystemExit(f"kvmesh loadtest: {e}") from None
-    levels = run_systems(args) if args.compare else asyncio.run(_run(args))
+    levels: list[tuple[dict, Summary]] = []
+    for repeat in range(args.repeats):
+        once = argparse.Namespace(**{**vars(args), "seed": args.seed + repeat})
+        got = run_systems(once) if args.compare else asyncio.run(_run(once))
+        levels += [({**params, "repeat": repeat}, s) for params, s in got] if args.repeats > 1 else got
     print(table(levels))
+    peaks = peak_goodput(levels)
+    if peaks:
+        print(peak_text(peaks))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         out = [r for params, s in levels for r in rows(s, **{k: v for k, v in params.items() if v is not None})]
+        out += peaks
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"wrote {len(out)} rows to {args.json}", file=sys.stderr)
     if args.plot:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Optional
 
 from kvmesh.loadtest.harness.stats import PERCENTILES, Summary
@@ -38,6 +39,36 @@ def rows(summary: Summary, **params) -> list[dict]:
     return out
 
 
+def peak_goodput(levels: list[tuple[dict, Summary]]) -> list[dict]:
+    """For each system and workload measured in repeats (params with "repeat"): its peak goodput
+    in each repeat (its best level), as rows of their min, median and max. [] without repeats or
+    an SLO."""
+    best: dict[tuple, dict[int, float]] = {}
+    for params, s in levels:
+        if "repeat" not in params or params.get("class") or s.goodput is None:
+            continue
+        key = (params.get("system"), params.get("workload"), params.get("sessions"), s.slo)
+        per = best.setdefault(key, {})
+        per[params["repeat"]] = max(per.get(params["repeat"], 0.0), s.goodput)
+    out = []
+    for (system, workload, sessions, slo), per in best.items():
+        peaks = sorted(per.values())
+        params = {k: v for k, v in (("system", system), ("workload", workload), ("sessions", sessions),
+                                    ("slo", slo), ("repeats", len(peaks))) if v is not None}
+        for stat, value in (("min", peaks[0]), ("median", statistics.median(peaks)), ("max", peaks[-1])):
+            out.append({**params, "metric": f"peak_goodput_{stat}", "value": value, "unit": "req/s"})
+    return out
+
+
+def peak_text(peaks: list[dict]) -> str:
+    """peak_goodput's rows as one line per system: median [min / max] over the repeats."""
+    stats: dict[tuple, dict[str, float]] = {}
+    for r in peaks:
+        stats.setdefault((r["system"], r["workload"], r["repeats"]), {})[r["metric"].rsplit("_", 1)[1]] = r["value"]
+    return "\n".join(f"peak goodput of {system} on {workload} over {n} repeats: {v['median']:.2f} req/s median "
+                     f"[{v['min']:.2f} / {v['max']:.2f}]" for (system, workload, n), v in stats.items())
+
+
 def _f(v: float, digits: int = 1) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
@@ -53,7 +84,8 @@ def table(levels: list[tuple[dict, Summary]]) -> str:
     for params, s in levels:
         load = f"{params['rate']:g}/s" if params.get("rate") is not None else f"c={params.get('concurrency')}"
         workload = str(params.get("workload", "")) + (f":{params['class']}" if params.get("class") else "")
-        cells = [str(params.get("system", "")), workload, load,
+        system = str(params.get("system", "")) + (f" #{params['repeat'] + 1}" if "repeat" in params else "")
+        cells = [system, workload, load,
                  f"{s.completed}/{s.requests}", _f(s.request_throughput, 2), _f(s.output_throughput, 0),
                  _f(s.goodput, 2) if s.goodput is not None else "-"]
         for key, _ in LATENCIES:
@@ -82,7 +114,8 @@ def plot(levels: list[tuple[dict, Summary]], path: str, slo: Optional[str] = Non
         if params.get("rate") is None:
             continue
         workload = str(params.get("workload", "")) + (f" ({params['class']})" if params.get("class") else "")
-        series.setdefault(f"{params.get('system', '')} · {workload}", []).append((params["rate"], s))
+        run = f" · run {params['repeat'] + 1}" if "repeat" in params else ""
+        series.setdefault(f"{params.get('system', '')} · {workload}{run}", []).append((params["rate"], s))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for label, points in sorted(series.items()):
         points.sort(key=lambda p: p[0])

@@ -228,3 +228,57 @@ async def test_kv_hits_are_read_from_the_metrics_servers_export(text, expected):
     async with httpx.AsyncClient(transport=httpx.MockTransport(metrics)) as client:
         assert await scrape_hits("http://x:1/v1", client) == expected
     assert seen == ["/metrics"]
+
+
+def _loadtest_args(*argv):
+    import argparse
+
+    from kvmesh.loadtest.harness import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["loadtest", *argv])
+
+
+def test_repeats_rerun_the_sweep_with_new_seeds_and_report_each_peaks_spread(tmp_path, monkeypatch):
+    """--repeats 3 runs every level three times, repeat r seeded --seed + r; its rows carry the
+    repeat, and the peak-goodput rows are the min/median/max of each repeat's best level."""
+    import asyncio
+    import threading
+
+    from kvmesh.loadtest.harness import cli, stub
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(stub.serve(0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    seeds = []
+    make = cli.workloads.make
+    monkeypatch.setattr(cli.workloads, "make", lambda *a, **kw: seeds.append(kw["seed"]) or make(*a, **kw))
+    out = tmp_path / "rows.json"
+    try:
+        args = _loadtest_args("--target", f"stub=http://127.0.0.1:{port}/v1", "--rate", "200,400",
+                              "--num-requests", "4", "--max-tokens", "2", "--slo", "ttft=30s", "--warmup", "0",
+                              "--seed", "7", "--repeats", "3", "--json", str(out), "--plot", str(tmp_path / "p.png"))
+        assert cli.run(args) == 0
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    assert sorted(set(seeds[1:])) == [7, 8, 9]  # after the up-front check: each repeat's own seed
+    data = json.loads(out.read_text())
+    goodput = [r for r in data if r["metric"] == "goodput"]
+    assert sorted((r["repeat"], r["rate"]) for r in goodput) == [(r, v) for r in range(3) for v in (200.0, 400.0)]
+    best = sorted(max(r["value"] for r in goodput if r["repeat"] == k) for k in range(3))
+    peaks = {r["metric"]: r for r in data if r["metric"].startswith("peak_goodput_")}
+    assert [peaks[f"peak_goodput_{s}"]["value"] for s in ("min", "median", "max")] == best
+    assert peaks["peak_goodput_median"]["system"] == "stub" and peaks["peak_goodput_median"]["repeats"] == 3
+    assert (tmp_path / "p.png").stat().st_size > 0  # one line per system and repeat
+
+
+def test_repeats_below_one_are_refused_with_the_flag_named():
+    from kvmesh.loadtest.harness import cli
+
+    with pytest.raises(SystemExit, match="--repeats must be at least 1"):
+        cli.run(_loadtest_args("--rate", "1", "--repeats", "0"))
