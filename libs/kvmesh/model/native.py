@@ -43,9 +43,12 @@ plain decoding would. Without AVX-512 the same loops run as plain C++ (16-lane p
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -382,9 +385,15 @@ _BINDINGS = "no-gil-1"
 
 
 def extension_dir(source: str, prefix: str = "") -> Path:
-    """Where an extension of `source` is built and cached: one folder per source, torch version
-    and CPU (-march=native), under the kvmesh cache directory."""
-    digest = hashlib.sha256((source + _BINDINGS + torch.__version__ + _cpu_flags()).encode()).hexdigest()[:16]
+    """Where an extension of `source` is built and cached: one folder per source, torch version,
+    CPU (-march=native) and Python environment, under the kvmesh cache directory.
+
+    The environment is part of the key because torch writes the building interpreter's include
+    and library paths into the folder's build.ninja: two virtual environments sharing one folder
+    (a working copy and a CI clone of it) each found the other's build file changed and rebuilt
+    the kernel at every load (~35 s each, and a build cut short there left a lock behind)."""
+    env = sys.prefix + "\0" + os.path.dirname(torch.__file__)
+    digest = hashlib.sha256((source + _BINDINGS + torch.__version__ + _cpu_flags() + env).encode()).hexdigest()[:16]
     return default_cache_dir() / "native" / f"{prefix}{digest}"
 
 
@@ -401,9 +410,38 @@ def load_extension(name: str, source: str, functions: list[str], prefix: str = "
 
     folder = extension_dir(source, prefix)
     folder.mkdir(parents=True, exist_ok=True)
-    return load_inline(name=name, cpp_sources=[_module_source(source, functions)],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    with _build_lock(folder):
+        return load_inline(name=name, cpp_sources=[_module_source(source, functions)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+
+
+_TORCH_LOCK = "lock"
+"""The file torch's extension builder creates in the build folder while it builds, and waits on
+(forever) while it exists."""
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Hold an exclusive ``flock`` on ``folder/build.flock`` while an extension is built or
+    loaded there, and clear a torch build lock that an interrupted build left behind.
+
+    torch's own lock is a file created at the start of a build and removed at its end; a build
+    killed in between (a test run stopped, an engine killed while compiling at start) leaves it,
+    and every later load in that folder then waits for it forever -- an engine that never
+    starts. Every kvmesh build takes this flock first and the kernel drops a flock when its
+    holder dies, so a torch lock found while holding the flock belongs to no running build:
+    it is removed (and logged) before building."""
+    with open(folder / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / _TORCH_LOCK
+            if stale.exists():
+                log.warning("removing %s, left by an interrupted build of this kernel; building it again", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build_dir() -> Path:
