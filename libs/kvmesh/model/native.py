@@ -433,7 +433,12 @@ def _build_lock(folder: Path):
     holder dies, so a torch lock found while holding the flock belongs to no running build:
     it is removed (and logged) before building."""
     with open(folder / "build.flock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as err:  # a filesystem without flock: torch's own lock alone, as before
+            log.warning("no flock on %s (%s); a lock left by an interrupted build is not cleared", folder, err)
+            yield
+            return
         try:
             stale = folder / _TORCH_LOCK
             if stale.exists():
