@@ -553,4 +553,5 @@ def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 if __name__ == "__main__":  # `python -m kvmesh.model.amx_attention`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO)
-    print(f"AMX attention: {'ready' if _ops() is not None else 'unavailable, SDPA runs'}")
+    missing = "unavailable (no AMX here, or KVMESH_AMX=0): the AVX-512 attention or SDPA runs"
+    print(f"AMX attention: {'ready' if _ops() is not None else missing}")

@@ -228,4 +228,4 @@ def causal_attention_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 if __name__ == "__main__":  # `python -m kvmesh.model.cpu_attention`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO)
-    print(f"AVX-512 attention: {'ready' if _ops() is not None else 'unavailable, SDPA runs'}")
+    print(f"AVX-512 attention: {'ready' if _ops() is not None else 'unavailable: SDPA runs where the AMX attention does not'}")
