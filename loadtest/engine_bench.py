@@ -518,7 +518,8 @@ def greedy_agreement(model: str, formats: list[str], prompts: Prompts, quick: bo
     return rows
 
 
-SYSTEM_OF = {"fp32": "kvmesh-fp32", "int4-w8a8": "kvmesh-int4-w8a8", "gguf": "kvmesh", "bf16": "kvmesh-bf16"}
+SYSTEM_OF = {"fp32": "kvmesh-fp32", "int4-w8a8": "kvmesh-int4-w8a8", "gguf": "kvmesh", "bf16": "kvmesh-bf16",
+             "gguf-a8": "kvmesh-gguf-a8"}
 
 BF16_ARGS = ["--dtype", "bfloat16", "--weights", "bf16", "--max-num-batched-tokens", "2048"]
 """The `kvmesh-bf16` column: bf16 weights and activations (oneDNN's matmuls and flash attention on
@@ -543,6 +544,7 @@ def gguf_file(source: str) -> Path | None:
 def run(quick: bool = False, engine_args: list[str] | None = None, model: str = "bundled") -> list[dict]:
     """Runs both systems and prints the side-by-side table (kvmesh/hf ratios)."""
     from kvmesh.loadtest.models import bench_model
+    from kvmesh.model import gguf_a8
     from kvmesh.model.loader import load_tokenizer
 
     plan = QUICK if quick else FULL
@@ -563,7 +565,13 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
     # lossy: int4 for one- and two-row matmuls, int8 x int8 (SmoothQuant) for batches, prefill and lm_head
     rows += bench_kvmesh(plan, prompts, [*base, "--weights", "int4-w8a8"], system="kvmesh-int4-w8a8")
     rows += bench_kvmesh(plan, prompts, [*base, *BF16_ARGS], system="kvmesh-bf16")
-    rows += greedy_agreement(model, ["gguf", "int4-w8a8", "bf16"] if is_gguf else ["int4-w8a8", "bf16"], prompts, quick)
+    lossy = ["int4-w8a8", "bf16"]
+    if is_gguf and gguf_a8.ops() is not None:  # lossy: the file's blocks x 8-bit activations (llama.cpp's arithmetic)
+        rows += bench_kvmesh(plan, prompts, [*base, "--weights", "gguf-a8"], system="kvmesh-gguf-a8")
+        lossy.append("gguf-a8")
+    elif is_gguf:
+        print("kvmesh-gguf-a8 column skipped: it needs AVX-512 VNNI and the native kernels", file=sys.stderr)
+    rows += greedy_agreement(model, ["gguf", *lossy] if is_gguf else lossy, prompts, quick)
     # llama.cpp before HF: both run in this process, and HF's memory is not all returned to the OS.
     gguf = gguf_file(model)
     if gguf is None:

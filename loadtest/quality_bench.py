@@ -31,7 +31,8 @@ Paths (all on the exact answer, teacher-forced; the scores are ``kvmesh.kv.quali
   every bit, so no codec round trip), blended into the prompt by ``blend_prefill`` with the
   engine's blending settings (EngineConfig's select layers and selection), imported up to the
   last whole block before the last prompt token as the engine does, the rest computed over it.
-* ``weights=<format>``: the whole computation with gguf (GGUF models: the file's own blocks),
+* ``weights=<format>``: the whole computation with gguf (GGUF models: the file's own blocks), gguf-a8
+  (the same blocks times 8-bit activations, llama.cpp's arithmetic),
   int8, int4 or int4-w8a8 weights (a model loaded with them, no cache): the prompt in the engine's prefill steps, the answer in steps of
   ``kvmesh.model.quant.SMALL_BATCH`` rows (the kernel a one-token decode step uses).
 Codec and blend logits are compared with the exact KV run through the same import-and-continue
@@ -84,8 +85,9 @@ if TYPE_CHECKING:
     from kvmesh.model.loader import LoadedModel
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
-WEIGHTS = ("gguf", "int8", "int4", "int4-w8a8", "bf16")
-"""gguf: GGUF sources only (the file's own blocks); bf16: bf16 weights and activations (--dtype bfloat16)."""
+WEIGHTS = ("gguf", "gguf-a8", "int8", "int4", "int4-w8a8", "bf16")
+"""gguf, gguf-a8: GGUF sources only (the file's own blocks; gguf-a8 times 8-bit activations, on CPUs
+with AVX-512 VNNI); bf16: bf16 weights and activations (--dtype bfloat16)."""
 SPLIT_ENV = "KVMESH_BENCH_SPLIT"
 PATHS_ENV = "KVMESH_BENCH_PATHS"
 RATIOS_ENV = "KVMESH_BENCH_RATIOS"
@@ -349,9 +351,13 @@ class _Measure:
         self.namespace = engine_namespace(loaded).digest()
         self.eos = set(loaded.tokenizer.eos_token_ids)
         t0 = time.perf_counter()
-        from kvmesh.model.loader import gguf_source
+        from kvmesh.model import gguf_a8
+        from kvmesh.model.loader import GGUF_FORMATS, gguf_source
 
-        formats = [f for f in WEIGHTS if f != "gguf" or gguf_source(loaded.source) is not None]
+        formats = [f for f in WEIGHTS if f not in GGUF_FORMATS or gguf_source(loaded.source) is not None]
+        if "gguf-a8" in formats and gguf_a8.ops() is None:
+            print("weights=gguf-a8 skipped: it needs AVX-512 VNNI and the native kernels", file=sys.stderr)
+            formats.remove("gguf-a8")
         self.weights = {fmt: load_model(loaded.source, dtype="bfloat16" if fmt == "bf16" else "float32", weights=fmt,
                                         progress=False)
                         for fmt in (formats if "weights" in plan.paths else ())}

@@ -65,6 +65,7 @@ _WEIGHT_FORMATS = {
     "int4": engine_pb2.WEIGHT_FORMAT_INT4,
     "int4-w8a8": engine_pb2.WEIGHT_FORMAT_INT4_W8A8,
     "gguf": engine_pb2.WEIGHT_FORMAT_GGUF,
+    "gguf-a8": engine_pb2.WEIGHT_FORMAT_GGUF_A8,
 }
 
 

@@ -17,7 +17,9 @@ from kvmesh.model.llama import _FUSED, LlamaForCausalLM
 from kvmesh.model.quant import calibration_text, quantize_model, smooth_factors, use_gguf_blocks
 from kvmesh.model.tokenizer import Tokenizer
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int4-w8a8", "gguf", "gguf-a8")
+GGUF_FORMATS = ("gguf", "gguf-a8")
+"""The formats that run a GGUF file's own blocks (GGUF sources only)."""
 CALIBRATION_TOKENS = 1024
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -140,10 +142,10 @@ def build_model(checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.dev
         quantize_model(model, weights, smooth=smooth)
     elif weights in ("int8", "int4"):
         quantize_model(model, weights)
-    elif weights == "gguf":
+    elif weights in GGUF_FORMATS:
         if gguf_tensors is None:
-            raise ValueError("weights='gguf' needs the GGUF file's tensors (read_quantized)")
-        use_gguf_blocks(model, gguf_tensors, _FUSED)
+            raise ValueError(f"weights={weights!r} needs the GGUF file's tensors (read_quantized)")
+        use_gguf_blocks(model, gguf_tensors, _FUSED, act8=weights == "gguf-a8")
     return model
 
 
@@ -171,21 +173,23 @@ def load_model(source: str = "bundled", *, dtype: str | torch.dtype = "float32",
     for one- and two-row matmuls, int8 weights x int8 activations for larger ones and lm_head; see
     kvmesh.model.quant), or ``"gguf"`` (GGUF sources only: every Linear and the output projection
     run the file's own quantized blocks, exact w.r.t. the file up to float rounding; see
-    kvmesh.model.quant.GGUFLinear). GGUF conversions are
+    kvmesh.model.quant.GGUFLinear), or ``"gguf-a8"`` (the same blocks times activations rounded
+    to 8 bits per block of 32, llama.cpp's arithmetic: lossy, opt-in; kvmesh.model.gguf_a8).
+    GGUF conversions are
     cached under ``cache_dir`` (default ``$KVMESH_CACHE_DIR`` or ``~/.cache/kvmesh``).
     """
     torch_dtype = _resolve_dtype(dtype)
     fmt = _resolve_weights(weights, torch_dtype)
     dev = torch.device(device)
     gguf_tensors = None
-    if fmt == "gguf":
+    if fmt in GGUF_FORMATS:
         path = gguf_source(source)
         if path is None:
-            raise ValueError(f"weights='gguf' runs a GGUF file's own quantized blocks, and {source!r} is not a "
+            raise ValueError(f"weights={fmt!r} runs a GGUF file's own quantized blocks, and {source!r} is not a "
                              f"GGUF file; for an HF folder use one of "
-                             f"{', '.join(f for f in WEIGHT_FORMATS if f != 'gguf')}")
+                             f"{', '.join(f for f in WEIGHT_FORMATS if f not in GGUF_FORMATS)}")
     checkpoint = read_checkpoint(source, cache_dir=cache_dir, progress=progress)
-    if fmt == "gguf":
+    if fmt in GGUF_FORMATS:
         gguf_tensors = load_quantized(path, cache_dir=cache_dir, digest=checkpoint.digest)
     model = build_model(checkpoint, dtype=torch_dtype, device=dev, weights=fmt, tokenizer=checkpoint.tokenizer,
                         gguf_tensors=gguf_tensors)

@@ -346,18 +346,22 @@ class GGUFLinear(nn.Module):
     a fused projection, each part in its own block type."""
 
     def __init__(self, parts: list[tuple[int, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None = None, device: torch.device | str = "cpu") -> None:
+                 bias: torch.Tensor | None = None, device: torch.device | str = "cpu", act8: bool = False) -> None:
         super().__init__()
         device = torch.device(device)
         self.in_features = in_features
         self.out_features = sum(int(rows.shape[0]) for _, rows in parts)
         self.types = tuple(int(t) for t, _ in parts)
         self.register_buffer("bias", None if bias is None else bias.detach().float().to(device))
+        self._bias = self.bias
+        self._a8 = None  # gguf-a8: (op, qs, d, m, types, rows per part), kvmesh.model.gguf_a8
+        if act8:
+            self._init_a8(parts, device)
+            return
         ops = gguf_ops() if device.type == "cpu" else None
         self._ops = ops if ops is not None and all(t in KERNEL_TYPES for t in self.types) else None
         self._type_list = list(self.types)
         self._mm = None if self._ops is None else self._ops.gguf_mm
-        self._bias = self.bias  # plain attributes: a buffer lookup costs a __getattr__ per call
         if self._ops is not None:
             self._blocks = [rows.contiguous() for _, rows in parts]
             if os.environ.get("KVMESH_GGUF_REPACK", "1") != "0":  # 4-bit rows in the kernels' own layout
@@ -372,21 +376,49 @@ class GGUFLinear(nn.Module):
             self._blocks = []
             self.register_buffer("weight", torch.cat([_dequantize_py(t, rows, in_features) for t, rows in parts]).to(device))
 
+    def _init_a8(self, parts: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
+        """gguf-a8: the parts repacked for the 8-bit activation kernel (see kvmesh.model.gguf_a8)."""
+        from kvmesh.model import gguf_a8
+
+        if device.type != "cpu":
+            raise ValueError("weights='gguf-a8' runs on the CPU (AVX-512 VNNI); on a GPU use 'gguf'")
+        op = gguf_a8.ops()
+        if op is None:
+            raise ValueError("weights='gguf-a8' needs the native kernels on a CPU with AVX-512 VNNI, "
+                             "which this machine or build does not have; use 'gguf' (exact)")
+        packed = [gguf_a8.pack(t, rows, self.in_features) for t, rows in parts]
+        for i, (qs, d, m) in enumerate(packed):
+            for kind, tensor in (("qs", qs), ("d", d), ("m", m)):
+                self.register_buffer(f"a8_{kind}{i}", tensor)
+        self._a8 = (op.a8_mm, [p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed],
+                    list(self.types), [int(rows.shape[0]) for _, rows in parts])
+        self._ops, self._mm, self._blocks, self._type_list = None, None, [], list(self.types)
+        self.register_buffer("weight", None)
+
     def extra_repr(self) -> str:
         from gguf import GGMLQuantizationType
 
         kinds = "+".join(GGMLQuantizationType(t).name for t in self.types)
-        return f"in={self.in_features}, out={self.out_features}, gguf {kinds}, " + \
-            ("block kernel" if self._ops is not None else "dequantized")
+        how = "8-bit activations (gguf-a8)" if self._a8 is not None else \
+            "block kernel" if self._ops is not None else "dequantized"
+        return f"in={self.in_features}, out={self.out_features}, gguf {kinds}, {how}"
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the file stores, [out_features, in_features] (gguf-py's exact bits)."""
+        if self._a8 is not None:
+            raise ValueError("a gguf-a8 layer keeps only its repacked blocks; load with weights='gguf' to dequantize")
         if self._ops is None:
             return self.weight
         return torch.cat([self._ops.gguf_dequant(b, t, self.in_features) for b, t in zip(self._blocks, self._type_list)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        if self._a8 is not None:
+            op, qs, d, m, types, ns = self._a8
+            y = op(x.reshape(-1, self.in_features).float().contiguous(), qs, d, m, types, ns)
+            if self._bias is not None:
+                y = y + self._bias
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if (self._mm is not None and x.dim() == 2 and x.shape[0] <= GGUF_ROWS and x.dtype == torch.float32
                 and x.device.type == "cpu"):  # a decode step: the fewest Python ops (~120 calls a step)
             y = self._mm(x.contiguous(), self._blocks, self._type_list)
@@ -418,13 +450,16 @@ def _dequantize_py(qtype: int, rows: torch.Tensor, in_features: int) -> torch.Te
     return torch.from_numpy(w.reshape(-1, in_features).copy())
 
 
-def use_gguf_blocks(model: nn.Module, tensors: dict, fused: dict[str, tuple[str, ...]]) -> nn.Module:
+def use_gguf_blocks(model: nn.Module, tensors: dict, fused: dict[str, tuple[str, ...]],
+                    act8: bool = False) -> nn.Module:
     """Replace every decoder Linear and the output projection of ``model`` (already loaded with
     the same file's dequantized weights) by a GGUFLinear over the file's blocks, in place.
 
     tensors: HF weight name -> kvmesh.model.gguf_loader.QuantizedTensor; the output projection
     of a tied model is the embedding's tensor. fused: this model's fused Linear suffix -> the HF
-    parts it stacks (kvmesh.model.llama's q/k/v and gate/up). A bias stays as loaded."""
+    parts it stacks (kvmesh.model.llama's q/k/v and gate/up). A bias stays as loaded. act8: the
+    lossy gguf-a8 arithmetic (kvmesh.model.gguf_a8); ValueError naming a tensor whose block type
+    it does not take."""
     device = next(model.parameters()).device
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name, linear in targets:
@@ -442,7 +477,16 @@ def use_gguf_blocks(model: nn.Module, tensors: dict, fused: dict[str, tuple[str,
         if any(tensors[h].in_features != linear.in_features for h in hf) or \
                 sum(int(r.shape[0]) for _, r in parts) != linear.out_features:
             raise ValueError(f"GGUF tensors {hf} do not match {name} ({linear.out_features}x{linear.in_features})")
-        setattr(parent, child, GGUFLinear(parts, linear.in_features, linear.bias, device))
+        if act8:
+            from kvmesh.model.gguf_a8 import TYPES
+
+            odd = [h for h in hf if tensors[h].qtype not in TYPES]
+            if odd:
+                from gguf import GGMLQuantizationType
+
+                raise ValueError(f"weights='gguf-a8' takes {', '.join(TYPES.values())} blocks; this file's {odd[0]} "
+                                 f"is {GGMLQuantizationType(tensors[odd[0]].qtype).name}: use weights='gguf'")
+        setattr(parent, child, GGUFLinear(parts, linear.in_features, linear.bias, device, act8=act8))
     return model
 
 
@@ -490,7 +534,8 @@ class GGUFDecode:
         for layer in layers:
             lins = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if layer.self_attn.window is not None or not all(
-                    isinstance(lin, GGUFLinear) and lin._ops is not None and set(lin.types) <= FAST_BLOCK_TYPES
+                    isinstance(lin, GGUFLinear) and lin._a8 is None and lin._ops is not None
+                    and set(lin.types) <= FAST_BLOCK_TYPES
                     for lin in lins):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
