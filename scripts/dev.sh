@@ -45,10 +45,11 @@ setup() {
   # attention and skinny matmuls; gguf_native: the GGUF block kernels of --weights gguf;
   # fused_rows: RMSNorm, RoPE and SwiGLU of prefill chunks; amx_attention: prefill attention on
   # the AMX tile unit (where the CPU has AMX); cpu_attention: the same with AVX-512 FMAs (where it
-  # has no AMX). Each build is one compiler process, so they run side by side: on 2 cores 84 s
-  # for the first four instead of 165 (a fresh cache). A build that fails fails setup.
+  # has no AMX); gguf_a8: the 8-bit activation kernel of --weights gguf-a8 (AVX-512 VNNI). Each
+  # build is one compiler process, so they run side by side: on 2 cores 84 s for the first four
+  # instead of 165 (a fresh cache). A build that fails fails setup.
   local pids=() pid
-  for kernels in native gguf_native fused_rows amx_attention cpu_attention; do
+  for kernels in native gguf_native fused_rows amx_attention cpu_attention gguf_a8; do
     "$venv/bin/python" -m "kvmesh.model.$kernels" &
     pids+=($!)
   done
