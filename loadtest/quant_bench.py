@@ -1,5 +1,5 @@
-"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8, and gguf for a GGUF model) on the bundled model
-(or the model of `--model PATH`).
+"""Quality and speed of the weight formats (fp32, bf16, int8, int4, int4-w8a8, and gguf and gguf-a8 for a GGUF
+model) on the bundled model (or the model of `--model PATH`), and llama.cpp's perplexity on the same GGUF file.
 
 For each format: perplexity on the first 8192 tokens of ``kvmesh.model.reference_text()``
 (quick: 2048) with window 1024 / stride 512 (a model with a shorter context: window = its
@@ -7,6 +7,9 @@ context, stride half of it; the unit names the window), its change against fp32,
 decode speed through the paged forward path (the engine's path: AttentionMetadata + KV cache),
 and the share of greedy tokens equal to fp32's on chat prompts through that same path (where the
 packed int8/int4 kernels round activations to bf16, which perplexity on long windows does not see).
+For a GGUF model, where llama-cpp-python is installed (the bench extra), the row ``llamacpp`` is
+llama.cpp's own perplexity on the same tokens and windows (its logits of every position), so
+its arithmetic's cost is measured beside ``gguf-a8``'s, which copies it.
 
     python loadtest/quant_bench.py [--quick] [--device cpu] [--model PATH]
 """
@@ -102,7 +105,11 @@ def run(quick: bool, device: str = "cpu", model: str = "bundled") -> list[dict]:
     ids = None
     from kvmesh.model.loader import gguf_source
 
-    formats = FORMATS + ((("gguf", "float32"),) if gguf_source(model) is not None and device == "cpu" else ())
+    from kvmesh.model import gguf_a8
+
+    is_gguf = gguf_source(model) is not None and device == "cpu"
+    formats = FORMATS + ((("gguf", "float32"),) if is_gguf else ()) + \
+        ((("gguf-a8", "float32"),) if is_gguf and gguf_a8.ops() is not None else ())
     for weights, dtype in formats:
         lm = load_model(model, dtype=dtype, device=device, weights=weights)
         if ids is None:
@@ -122,8 +129,45 @@ def run(quick: bool, device: str = "cpu", model: str = "bundled") -> list[dict]:
         ]
         del lm
         gc.collect()
+    if is_gguf and ids is not None:
+        ppl = llamacpp_perplexity(gguf_source(model), ids, window, stride)
+        if ppl is not None:
+            rows += [{"weights": "llamacpp", "metric": "ppl", "value": ppl, "unit": f"ppl@{len(ids)}tok{unit_suffix}"},
+                     {"weights": "llamacpp", "metric": "ppl_delta_pct", "value": 100 * (ppl - base_ppl) / base_ppl,
+                      "unit": "%"}]
     print(format_table(rows))
     return rows
+
+
+def llamacpp_perplexity(gguf, ids: list[int], window: int, stride: int) -> float | None:
+    """llama.cpp's perplexity of ``ids`` under the GGUF file, with kvmesh.model.perplexity's
+    windows (each token after the first scored once), or None without llama-cpp-python."""
+    import math
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llamacpp row skipped: llama-cpp-python is not installed (scripts/build-llamacpp.sh)", file=sys.stderr)
+        return None
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(gguf), n_ctx=window, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                logits_all=True, verbose=False)
+    nll, scored, prev_end, n = 0.0, 0, 0, len(ids)
+    for begin in range(0, n, stride):
+        end = min(begin + window, n)
+        llm.reset()
+        llm.eval(ids[begin:end])
+        logits = torch.from_numpy(llm.scores[: end - begin].copy()).float()
+        first = max(prev_end, begin + 1) - begin
+        logp = torch.log_softmax(logits[first - 1:-1], dim=-1)
+        targets = torch.tensor(ids[begin + first:end])
+        nll -= logp.gather(1, targets[:, None]).sum().item()
+        scored += targets.numel()
+        prev_end = end
+        if end == n:
+            break
+    del llm
+    return math.exp(nll / scored)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -131,7 +175,7 @@ def format_table(rows: list[dict]) -> str:
     cell = {(r["weights"], r["metric"]): r["value"] for r in rows}
     lines = ["| weights | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
     for w in dict.fromkeys(r["weights"] for r in rows):
-        lines.append(f"| {w} | " + " | ".join(f"{cell[(w, m)]:.3f}" for m in metrics) + " |")
+        lines.append(f"| {w} | " + " | ".join(f"{cell[(w, m)]:.3f}" if (w, m) in cell else "" for m in metrics) + " |")
     return "\n".join(lines)
 
 

@@ -123,3 +123,24 @@ def test_without_the_kernel_the_mode_is_refused_with_what_to_use(monkeypatch):
     monkeypatch.setattr(gguf_a8._kernels, "tried", True)  # no VNNI, KVMESH_NATIVE=0 or a failed build
     with pytest.raises(ValueError, match="needs the native kernels on a CPU with AVX-512 VNNI.*use 'gguf'"):
         GGUFLinear([(3, _blocks(3, 16, 64, 5))], 64, act8=True)
+
+
+@needs_kernel
+def test_an_engine_serves_it_and_says_so(tiny_gguf, tmp_path):  # noqa: F811
+    """Through the engine's step loop (chunked prefill, batched decode): two prompts, greedy, each
+    alone and side by side give the same tokens (rows are quantized one by one, so a row's result
+    does not depend on its batch), and GetModelInfo names the lossy format."""
+    from engine_utils import greedy, make_core, run_all
+    from kvmesh.engine.v1 import engine_pb2
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.servicer import model_info
+
+    path, _ = tiny_gguf
+    loaded = load_model(str(path), cache_dir=tmp_path, weights="gguf-a8", progress=False)
+    prompts = {"a": [3, 200, 17, 99, 5, 64, 120, 1, 250, 7, 8, 9], "b": [11, 12, 13, 14, 15]}
+    together = run_all(make_core(loaded, speculation="off"), prompts, greedy(8))
+    for rid, ids in prompts.items():
+        alone = run_all(make_core(loaded, speculation="off"), {rid: ids}, greedy(8))
+        assert alone[rid]["tokens"] == together[rid]["tokens"] and len(alone[rid]["tokens"]) == 8
+    info = model_info(make_core(loaded), EngineConfig(model=str(path), weights="gguf-a8"))
+    assert info.weights == engine_pb2.WEIGHT_FORMAT_GGUF_A8
