@@ -25,7 +25,8 @@ compute bound (~3.5 ms with the weights in L2) nor at the read bound (~2.3 ms fo
 L3) but was at their sum and more (~9 ms): each row's blocks arrived one L3 latency at a time.
 Rows are therefore prefetched 4 KB ahead (``prefetch_ahead``): ~9 -> ~6 ms a step.
 Rows of x are taken 4 at a time
-so each weight row is read from DRAM once per call whatever M. Rows are split over the calling
+so each weight row is read from DRAM once per call whatever M; a lone row of x (a decode step)
+meets the weight rows two at a time (kvmesh.model.gguf_rows1), with the same bits. Rows are split over the calling
 thread's OpenMP team (as kvmesh.model.native). Past 4 rows the weights are decoded once into a
 buffer instead (kvmesh.model.gguf_blocked), with the same bits. Without AVX-512 each row is dequantized into a
 buffer and dotted in plain C++: same numbers up to rounding, slower. Many rows (prefill) are
@@ -48,6 +49,7 @@ from kvmesh.model.gguf_amx import AMX_SOURCE
 from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
 from kvmesh.model.gguf_repack import REPACK_SOURCE, REPACKED_Q4  # noqa: F401 (REPACKED_Q4 re-exported)
+from kvmesh.model.gguf_rows1 import ROWS1_SOURCE
 from kvmesh.model.native import NativeModule, extension_dir, load_extension
 
 log = logging.getLogger(__name__)
@@ -409,6 +411,7 @@ constexpr int64_t MAX_ROWS = 64;  // rows of x one mm_rows call takes
 """
 
 _SOURCE += BLOCKED_SOURCE  # the batched path, kvmesh.model.gguf_blocked (uses decode_row, Lin)
+_SOURCE += ROWS1_SOURCE  # one row of x, weight rows in groups, kvmesh.model.gguf_rows1 (uses row_dot, Lin)
 
 _SOURCE += r"""
 
@@ -420,9 +423,10 @@ template <bool ADD>
 static void mm_rows(const float* x, int64_t M, const Lin& L, float* y, int64_t ldy) {
   const int64_t K = L.K;
 #if defined(__AVX512F__)
-  if (M > RB) {
+  if (M > RB || (M == 1 && L.base.size() <= 16)) {
     bool fast = true;
     for (int64_t t : L.type) fast = fast && fast_type(t);
+    if (fast && M == 1) { mm_rows1<ADD>(x, L, y); return; }
     if (fast) { mm_rows_blocked<ADD>(x, M, L, y, ldy); return; }
   }
 #endif

@@ -215,6 +215,31 @@ def test_parts_of_different_types_are_one_matmul():
 
 
 @needs_kernels
+@pytest.mark.parametrize("k, kinds, nparts", [
+    (576, [(T.Q4_1, True), (T.Q8_0, False), (T.Q4_0, False), (T.Q4_0, True)], 4),  # a partial last quad
+    (768, [(T.Q4_K, True), (T.Q6_K, False), (T.Q8_0, False)], 5),
+    (576, [(T.Q4_1, True), (T.Q8_0, False)], 17),  # past 16 parts: row by row
+])
+def test_one_row_groups_weight_rows_and_keeps_each_rows_bits(k, kinds, nparts):
+    """A decode row (M = 1) walks the weight rows of each part in groups (kvmesh.model.gguf_rows1):
+    every output has the bits it has beside other rows of x (row_dot's arithmetic), across parts
+    of odd sizes and different types -- a group never spans two parts."""
+    blocks, types = [], []
+    for i in range(nparts):
+        qtype, repack = kinds[i % len(kinds)]
+        b = torch.from_numpy(blocks_of(qtype, _weights(2 * (i % 5) + 1, k, 10 + i)))  # 1, 3, 5, ... rows
+        blocks.append(_repacked(b, qtype, k) if repack else b)
+        types.append(gguf_native.REPACKED_Q4 if repack else int(qtype))
+    torch.manual_seed(3)
+    x = torch.randn(3, k)
+    beside = ops.gguf_mm(x, blocks, types)  # three rows: row_dot<3> per weight row
+    alone = torch.cat([ops.gguf_mm(x[i:i + 1].contiguous(), blocks, types) for i in range(3)])
+    assert torch.equal(alone, beside)
+    per_part = torch.cat([ops.gguf_mm(x[:1].contiguous(), [b], [t]) for b, t in zip(blocks, types)], dim=1)
+    assert torch.equal(per_part, alone[:1])
+
+
+@needs_kernels
 def test_kernels_reject_what_they_cannot_compute():
     blocks = torch.from_numpy(quantize(_weights(4, 64, 0), T.Q4_1))
     with pytest.raises(RuntimeError, match="do not hold K = 96"):
