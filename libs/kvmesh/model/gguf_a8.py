@@ -312,29 +312,6 @@ def pack(qtype: int, rows: torch.Tensor, in_features: int) -> tuple[torch.Tensor
     return grouped.reshape(-1), scale, low
 
 
-def reference(x: torch.Tensor, qtype: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The same arithmetic in torch (float64 sums of the exact integer products), for tests:
-    x [M, K] fp32 -> [M, N]."""
-    n, nb = int(rows.shape[0]), in_features // 32
-    size = {2: 18, 3: 20, 8: 34}[qtype]
-    blocks = rows.reshape(n, nb, size)
-    d = _fp16(blocks, 0).double()
-    if qtype == 8:
-        w = blocks[..., 2:].view(torch.int8).long()
-    else:
-        nib = blocks[..., size - 16:].long()
-        w = torch.cat([nib & 0x0F, nib >> 4], dim=-1) - (8 if qtype == 2 else 0)
-    xb = x.reshape(x.shape[0], nb, 32)
-    dx = xb.abs().amax(-1) / 127  # fp32, as the kernel rounds each step
-    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
-    q = torch.round(xb * inv[..., None]).clamp(-127, 127).long()  # torch.round: ties to even
-    isum = torch.einsum("mbk,nbk->mnb", q.double(), w.double())  # exact: integers below 2^53
-    y = (isum * dx.double()[:, None, :] * d[None]).sum(-1)
-    if qtype == 3:
-        y += (_fp16(blocks, 2).double()[None] * (dx.double() * q.sum(-1).double())[:, None, :]).sum(-1)
-    return y.float()
-
-
 if __name__ == "__main__":  # `python -m kvmesh.model.gguf_a8`: build (or find) the kernel now
     logging.basicConfig(level=logging.INFO)
     print(f"8-bit activation GGUF kernel: {'ready' if ops() is not None else 'unavailable (needs AVX-512 VNNI)'}")

@@ -22,6 +22,28 @@ from .test_gguf import tiny_gguf  # noqa: F401 (fixture)
 needs_kernel = pytest.mark.skipif(gguf_a8.ops() is None, reason="no AVX-512 VNNI kernel here")
 
 
+def reference(x: torch.Tensor, qtype: int, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """gguf_a8's arithmetic in torch (float64 sums of the exact integer products): x [M, K] fp32 -> [M, N]."""
+    n, nb = int(rows.shape[0]), in_features // 32
+    size = {2: 18, 3: 20, 8: 34}[qtype]
+    blocks = rows.reshape(n, nb, size)
+    d = gguf_a8._fp16(blocks, 0).double()
+    if qtype == 8:
+        w = blocks[..., 2:].view(torch.int8).long()
+    else:
+        nib = blocks[..., size - 16:].long()
+        w = torch.cat([nib & 0x0F, nib >> 4], dim=-1) - (8 if qtype == 2 else 0)
+    xb = x.reshape(x.shape[0], nb, 32)
+    dx = xb.abs().amax(-1) / 127  # fp32, as the kernel rounds each step
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).long()  # torch.round: ties to even
+    isum = torch.einsum("mbk,nbk->mnb", q.double(), w.double())  # exact: integers below 2^53
+    y = (isum * dx.double()[:, None, :] * d[None]).sum(-1)
+    if qtype == 3:
+        y += (gguf_a8._fp16(blocks, 2).double()[None] * (dx.double() * q.sum(-1).double())[:, None, :]).sum(-1)
+    return y.float()
+
+
 def _blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
     from gguf.quants import quantize
 
@@ -43,7 +65,7 @@ def test_kernel_equals_the_integer_arithmetic(qtype, m, n, k):
         x[1, 5] = 40.0  # one outlier: the rest of its block keeps few levels
     qs, d, mins = gguf_a8.pack(qtype, rows, k)
     got = gguf_a8.ops().a8_mm(x, [qs], [d], [mins], [qtype], [n])
-    want = gguf_a8.reference(x, qtype, rows, k)
+    want = reference(x, qtype, rows, k)
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -55,7 +77,7 @@ def test_parts_of_different_types_fill_their_own_columns():
     packed = [gguf_a8.pack(t, r, 64) for t, r in parts]
     got = gguf_a8.ops().a8_mm(x, [p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed],
                               [t for t, _ in parts], [int(r.shape[0]) for _, r in parts])
-    want = torch.cat([gguf_a8.reference(x, t, r, 64) for t, r in parts], dim=1)
+    want = torch.cat([reference(x, t, r, 64) for t, r in parts], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -76,7 +98,7 @@ def test_the_layer_is_lossy_by_the_8_bit_rounding_only():
     err = (got - want).abs().max().item()
     scale = (want - bias).abs().max().item()
     assert 1e-4 * scale < err < 0.03 * scale
-    want_int = gguf_a8.reference(x.reshape(-1, 256), int(T.Q4_1), parts[0][1], 256) + bias
+    want_int = reference(x.reshape(-1, 256), int(T.Q4_1), parts[0][1], 256) + bias
     torch.testing.assert_close(got.reshape(-1, 48), want_int, rtol=1e-5, atol=1e-5 * scale)
     with pytest.raises(ValueError, match="keeps only its repacked blocks"):
         a8.dequantize()
