@@ -31,8 +31,8 @@ In a 2,048-token prefill (one chunk) the linears then take ~1.2 s and the fp32 a
 
 NOTE (not built yet). The fused decode step (kvmesh.model.gguf_decode) runs the exact kernels
 only, so a gguf-a8 engine decodes layer by layer, one torch op after another: faster matmuls, but
-a single stream decodes at 0.5-0.67x the default's speed (two engine benches on the Ice Lake). Its batches and prefill are where it
-is faster.
+a single stream decodes at 0.5-0.67x the default's speed (three engine benches on the Ice Lake).
+Its batches and prefill are where it is faster.
 """
 from __future__ import annotations
 

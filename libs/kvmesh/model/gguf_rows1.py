@@ -113,7 +113,7 @@ static void rows1(const uint8_t* const* rows, int n, int64_t t, int64_t K, const
 template <bool ADD>
 static void mm_rows1(const float* x, const Lin& L, float* y) {
   const size_t P = L.base.size();
-  int64_t gfirst[17];  // first group of each part, then the total (make_lin's callers: <= 16 parts)
+  int64_t gfirst[17];  // first group of each part, then the total (mm_rows sends at most 16 parts here)
   gfirst[0] = 0;
   for (size_t p = 0; p < P; ++p) gfirst[p + 1] = gfirst[p] + (L.first[p + 1] - L.first[p] + R1 - 1) / R1;
   #pragma omp for schedule(static)
