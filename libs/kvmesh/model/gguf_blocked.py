@@ -88,15 +88,15 @@ static void block_dots(const float* x, int64_t M, int64_t K, const float* w, int
 }
 
 // mm_rows for M > RB (every part a fast type): the output rows in tiles of decoded weights, the
-// tiles split over the calling team; each tile's rows are decoded once (not once per RB rows of
+// tiles split over the calling team (team_for: static ranges, the last tiles stolen); each tile's rows are decoded once (not once per RB rows of
 // x, as row_dot would) and meet all M rows in block_dots. Same bits as mm_rows' per-row path.
 template <bool ADD>
 static void mm_rows_blocked(const float* x, int64_t M, const Lin& L, float* y, int64_t ldy) {
   const int64_t K = L.K;
   const int64_t nt_max = std::max<int64_t>(NR, TILE_BYTES / (4 * K) / NR * NR);
   const int64_t tiles = (L.N + nt_max - 1) / nt_max;
-  #pragma omp for schedule(static)
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  team_for(tiles, 1, [&](int64_t tile0, int64_t tile1) {
+  for (int64_t tile = tile0; tile < tile1; ++tile) {
     thread_local std::vector<float> wbuf, dots;
     const int64_t n0 = tile * nt_max, n1 = std::min(n0 + nt_max, L.N);
     size_t p = 0;
@@ -125,6 +125,7 @@ static void mm_rows_blocked(const float* x, int64_t M, const Lin& L, float* y, i
       s0 = s1;
     }
   }
+  });
 }
 #endif
 """

@@ -400,8 +400,10 @@ torch::Tensor gguf_decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
   auto out = torch::empty({T, D}, h.options());
   float* hp = h.data_ptr<float>();
   const float e = (float)eps;
+  TeamSlots team;  // the matmuls' work split (kvmesh.model.gguf_team)
   #pragma omp parallel
   {
+    team_begin(&team);
     // per thread: the normed rows and the SiLU products, which every thread computes whole and
     // reads whole (the matmuls that follow need all of them): two barriers a layer fewer
     std::vector<float> xn(T * D), act(T * I);
@@ -420,6 +422,7 @@ torch::Tensor gguf_decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
     }
     #pragma omp single
     rms_rows(hp, norms[2 * L].data_ptr<float>(), T, D, e, out.data_ptr<float>());
+    team_end();
   }
   return out;
 #endif

@@ -50,6 +50,7 @@ from kvmesh.model.gguf_blocked import BLOCKED_SOURCE
 from kvmesh.model.gguf_decode import DECODE_SOURCE
 from kvmesh.model.gguf_repack import REPACK_SOURCE, REPACKED_Q4  # noqa: F401 (REPACKED_Q4 re-exported)
 from kvmesh.model.gguf_rows1 import ROWS1_SOURCE
+from kvmesh.model.gguf_team import TEAM_SOURCE
 from kvmesh.model.native import NativeModule, extension_dir, load_extension
 
 log = logging.getLogger(__name__)
@@ -410,6 +411,7 @@ constexpr int64_t MAX_ROWS = 64;  // rows of x one mm_rows call takes
 
 """
 
+_SOURCE += TEAM_SOURCE  # the matmuls' work split inside a team, kvmesh.model.gguf_team
 _SOURCE += BLOCKED_SOURCE  # the batched path, kvmesh.model.gguf_blocked (uses decode_row, Lin)
 _SOURCE += ROWS1_SOURCE  # one row of x, weight rows in groups, kvmesh.model.gguf_rows1 (uses row_dot, Lin)
 
@@ -498,8 +500,13 @@ torch::Tensor gguf_mm(torch::Tensor x, std::vector<torch::Tensor> parts, std::ve
   float* yp = y.data_ptr<float>();
   // The calling thread's OpenMP team (see kvmesh.model.native's paged_decode for why not
   // at::parallel_for); output rows n are independent, each computed alone.
+  TeamSlots team;
   #pragma omp parallel
-  mm_rows<false>(xp, M, L, yp, L.N);
+  {
+    team_begin(&team);
+    mm_rows<false>(xp, M, L, yp, L.N);
+    team_end();
+  }
   return y;
 }
 
@@ -538,7 +545,7 @@ def _build_dir() -> Path:
 
 def _build():
     # -ffp-contract=off: no fused multiply-adds the source does not write (dequantize is bit-exact)
-    return load_extension("kvmesh_gguf", _SOURCE, ["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode",
+    return load_extension("kvmesh_gguf", _SOURCE, ["gguf_mm", "gguf_dequant", "gguf_mm_tiled", "gguf_decode", "gguf_team_probe",
                                                    "gguf_repack", "gguf_amx", "gguf_amx_two_piece"], "gguf-", ("-ffp-contract=off",))
 
 

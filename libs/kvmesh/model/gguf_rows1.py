@@ -24,6 +24,7 @@ ROWS1_SOURCE = r"""
 #if defined(__AVX512F__)
 // ---- One row of x against R weight rows at a time (see kvmesh.model.gguf_rows1) ----
 constexpr int R1 = 2;  // weight rows per group
+constexpr int64_t ROWS1_CHUNK = 16;  // groups a thread claims at a time (kvmesh.model.gguf_team)
 
 template <int B> static inline __m512i shift_bytes(__m512i v) { return B == 0 ? v : _mm512_bsrli_epi128(v, B); }
 
@@ -109,15 +110,15 @@ static void rows1(const uint8_t* const* rows, int n, int64_t t, int64_t K, const
 
 // mm_rows for one row of x (every part a fast type): y[n] = x . W[n] (+ bias[n]), or with ADD
 // y[n] += that. Groups of R1 consecutive rows of one part (a part's last group may be shorter),
-// the groups split over the calling team by an orphaned `omp for`.
+// the groups split over the calling team by team_for (static ranges, the last chunks stolen).
 template <bool ADD>
 static void mm_rows1(const float* x, const Lin& L, float* y) {
   const size_t P = L.base.size();
   int64_t gfirst[17];  // first group of each part, then the total (mm_rows sends at most 16 parts here)
   gfirst[0] = 0;
   for (size_t p = 0; p < P; ++p) gfirst[p + 1] = gfirst[p] + (L.first[p + 1] - L.first[p] + R1 - 1) / R1;
-  #pragma omp for schedule(static)
-  for (int64_t g = 0; g < gfirst[P]; ++g) {
+  team_for(gfirst[P], ROWS1_CHUNK, [&](int64_t g0, int64_t g1) __attribute__((always_inline)) {
+  for (int64_t g = g0; g < g1; ++g) {
     size_t p = 0;
     while (gfirst[p + 1] <= g) ++p;
     const int64_t rows_p = L.first[p + 1] - L.first[p], i0 = (g - gfirst[p]) * R1;
@@ -135,6 +136,7 @@ static void mm_rows1(const float* x, const Lin& L, float* y) {
       y[o] = ADD ? v + y[o] : v;
     }
   }
+  });
 }
 #endif
 """

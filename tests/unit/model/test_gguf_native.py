@@ -280,3 +280,42 @@ def test_unset_falls_back_with_a_warning_and_0_never_builds(failing_build, monke
     monkeypatch.setattr(gguf_native._kernels, "tried", False)
     monkeypatch.setenv("KVMESH_NATIVE", "0")
     assert gguf_ops() is None and len(failing_build) == 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, chunk", [(2, 1), (37, 4), (1001, 16), (1000, 1)])
+def test_team_split_gives_every_item_to_one_thread_and_steals(n, chunk):
+    """team_for (kvmesh.model.gguf_team): a thread done with its own range takes chunks from the
+    back of another's. The probe holds thread 0 back (its range published) until thread 1 has
+    taken one of its items: every item is still done exactly once, thread 1's own half by
+    thread 1."""
+    who = ops.gguf_team_probe(n, chunk)
+    assert set(who.tolist()) <= {1, 2}  # 100 added per repeated visit, 0 for an item nobody did
+    assert (who[n // 2:] == 2).all()
+    assert (who[:n // 2] == 2).any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 9, 32])
+def test_rows_have_the_same_bits_whatever_the_team_size(m):
+    """The matmuls split their work over the team and steal the last chunks (team_for); which
+    thread computes an output must not change it: 1 to 5 threads, one row of x (the grouped
+    decode path) and many (the blocked path), parts of odd sizes and several types."""
+    k = 768
+    blocks, types = [], []
+    kinds = [(T.Q4_1, True), (T.Q8_0, False), (T.Q4_0, True), (T.Q6_K, False), (T.Q4_K, True)]
+    for i, (qtype, repack) in enumerate(kinds):
+        b = torch.from_numpy(blocks_of(qtype, _weights(37 + 64 * i, k, 20 + i)))
+        blocks.append(_repacked(b, qtype, k) if repack else b)
+        types.append(gguf_native.REPACKED_Q4 if repack else int(qtype))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            results.append(ops.gguf_mm(x, blocks, types))
+    finally:
+        torch.set_num_threads(before)
+    for got in results[1:]:
+        assert torch.equal(got, results[0])
