@@ -27,7 +27,8 @@ Rows are therefore prefetched 4 KB ahead (``prefetch_ahead``): ~9 -> ~6 ms a ste
 Rows of x are taken 4 at a time
 so each weight row is read from DRAM once per call whatever M; a lone row of x (a decode step)
 meets the weight rows two at a time (kvmesh.model.gguf_rows1), with the same bits. Rows are split over the calling
-thread's OpenMP team (as kvmesh.model.native). Past 4 rows the weights are decoded once into a
+thread's OpenMP team (as kvmesh.model.native; in the decode step and gguf_mm as ranges whose last
+chunks a thread done early takes, kvmesh.model.gguf_team). Past 4 rows the weights are decoded once into a
 buffer instead (kvmesh.model.gguf_blocked), with the same bits. Without AVX-512 each row is dequantized into a
 buffer and dotted in plain C++: same numbers up to rounding, slower. Many rows (prefill) are
 compute-bound on the matmul itself: ``gguf_mm_tiled`` dequantizes a cache-sized tile of weight
