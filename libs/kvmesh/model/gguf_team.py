@@ -20,8 +20,8 @@ builds in turn): a one-row decode step 0.17-0.28 ms faster (of ~10.6 ms; median 
 pairs), a 32-row step 12-21 ms faster (of ~120-141 ms, two runs), 8 rows unchanged; the same bits.
 
 ``gguf_team_probe`` (a test hook) runs team_for over n items in a team of two whose thread 0,
-its range published, claims nothing until thread 1 has taken a chunk of it; it returns who did
-each item.
+its range published, claims nothing until thread 1 has taken a chunk of it (or has stopped
+claiming, so a broken steal fails the test instead of hanging it); it returns who did each item.
 
 A team that wants this declares a ``TeamSlots`` before its ``omp parallel`` and calls
 ``team_begin(&team)`` first thing inside it, on every thread; ``team_for`` called outside such a
@@ -69,10 +69,11 @@ static inline bool team_claim(TeamSlots* ts, int me, int nt, uint64_t call, int6
   }
 }
 
-struct NoHold { void operator()() const {} };
+struct NoHold { void operator()(bool) const {} };
 
 // body(lo, hi) over [0, n) split across the calling team, then a barrier (as `omp for`); `hold`
-// runs on each thread once its range is published, before it claims (the test hook's pause).
+// runs on each thread with false once its range is published, before it claims, and with true
+// once it has nothing left to claim (the test hook's pause and its release).
 template <class Body, class Hold = NoHold>
 static void team_for(int64_t n, int64_t chunk, Body&& body, Hold hold = Hold()) {
   const int nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -84,23 +85,24 @@ static void team_for(int64_t n, int64_t chunk, Body&& body, Hold hold = Hold()) 
   }
   const uint64_t call = ++t_team_calls & 0xFFFF;
   ts->slot[me].v.store(team_pack(call, n * me / nt, n * (me + 1) / nt), std::memory_order_release);
-  hold();
+  hold(false);
   int victim = -1;
   int64_t lo = 0, hi = 0;
   while (team_claim(ts, me, nt, call, chunk, victim, lo, hi)) body(lo, hi);
+  hold(true);
   #pragma omp barrier
 }
 
 // Test hook: team_for over n items (chunks of `chunk`) in a team of two; thread 0 claims nothing
-// until thread 1 has stolen from it (thread 1 starts once thread 0 has published; it ends its own
-// range first, then must steal). Returns
+// until thread 1 has stolen from it or has nothing left to claim (thread 1 starts once thread 0 has
+// published; it ends its own range first, then steals unless stealing is broken). Returns
 // [n] int64: for each item, 1 + the thread that did it, plus 100 per extra visit.
 torch::Tensor gguf_team_probe(int64_t n, int64_t chunk) {
   TORCH_CHECK(n >= 2 && n < ((int64_t)1 << 24) && chunk >= 1, "gguf_team_probe: 2 <= n < 2^24, chunk >= 1");
   auto who = torch::zeros({n}, torch::kInt64);
   int64_t* w = who.data_ptr<int64_t>();
   std::vector<std::atomic<int64_t>> visits(n);
-  std::atomic<int64_t> stolen{0}, published{0};
+  std::atomic<int64_t> stolen{0}, published{0}, finished{0};
   TeamSlots team;
   #pragma omp parallel num_threads(2)
   {
@@ -113,13 +115,18 @@ torch::Tensor gguf_team_probe(int64_t n, int64_t chunk) {
         else w[i] += 1 + me;
         if (me == 1 && i < n / 2) stolen.store(1, std::memory_order_release);
       }
-    }, [&]() {
+    }, [&](bool claimed_all) {
+      if (claimed_all) {  // thread 1 is done claiming: thread 0 must not wait for a steal any more
+        if (me == 1) finished.store(1, std::memory_order_release);
+        return;
+      }
       if (!pause) {  // thread 1: not before thread 0's range is there to steal from
         while (two && me == 1 && published.load(std::memory_order_acquire) == 0) std::this_thread::yield();
         return;
       }
       published.store(1, std::memory_order_release);
-      while (stolen.load(std::memory_order_acquire) == 0) std::this_thread::yield();
+      while (stolen.load(std::memory_order_acquire) == 0 && finished.load(std::memory_order_acquire) == 0)
+        std::this_thread::yield();
     });
     team_end();
   }
