@@ -93,6 +93,7 @@ class _Call:
         self.started = time.perf_counter()
         self.code = grpc.StatusCode.OK
         self.message = ""
+        self.counted = False
         remote = extract_context(context.invocation_metadata())
         self.span = owner.telemetry.tracer("kvmesh.rpc").start_span(
             method, context=remote, kind=SpanKind.SERVER,
@@ -119,6 +120,7 @@ class _Call:
         """Turn `exc` into the call's status: abort with a code, or re-raise as it is."""
         if isinstance(exc, KvmeshError):
             self.code, self.message = exc.code, _details(exc.message)
+            self.count()
             await context.abort(exc.code, self.message)
         if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted the call itself
             self.code = context.code() or grpc.StatusCode.UNKNOWN
@@ -132,8 +134,16 @@ class _Call:
             self.code = grpc.StatusCode.INTERNAL
             self.message = (f"internal error in {self.method} ({type(exc).__name__}); "
                             f"see the server log for trace_id {trace_id}")
+            self.count()
             await context.abort(self.code, self.message)
         raise exc
+
+    def count(self) -> None:
+        """Count the call under its status code, once; before an abort sends the status, so a
+        client that has seen the status finds it counted."""
+        if not self.counted:
+            self.counted = True
+            self.owner.metrics.handled.labels(self.service, self.name, self.code.name).inc()
 
     def end(self) -> None:
         """Close the span, record metrics and leave the in-flight count."""
@@ -142,7 +152,7 @@ class _Call:
             self.span.set_status(Status(StatusCode.ERROR, f"{self.code.name}: {self.message}"))
         self.span.end()
         metrics = self.owner.metrics
-        metrics.handled.labels(self.service, self.name, self.code.name).inc()
+        self.count()
         metrics.handling_seconds.labels(self.service, self.name).observe(
             time.perf_counter() - self.started)
         self.owner._leave()
