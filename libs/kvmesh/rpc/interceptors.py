@@ -8,7 +8,8 @@ Every kvmesh servicer method runs inside `ServerInterceptor`, which
 - opens a SERVER span named after the full method, parented by the W3C `traceparent` in the
   call's metadata, current while the method's code runs (so its outgoing calls join the trace);
 - records `kvmesh_rpc_server_handled_total` and `kvmesh_rpc_server_handling_seconds` in the
-  server's registry;
+  server's registry; a failed call (raised, crashed, or aborted by the servicer itself) is
+  counted before its status goes out, so a client that has seen the status finds it counted;
 - answers a request protobuf cannot parse (a string field that is not UTF-8, say) with
   INVALID_ARGUMENT naming the field (kvmesh.rpc.wire) rather than grpc's INTERNAL, in a client
   stream too (when the servicer reaches that message);
@@ -122,9 +123,10 @@ class _Call:
             self.code, self.message = exc.code, _details(exc.message)
             self.count()
             await context.abort(exc.code, self.message)
-        if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted the call itself
-            self.code = context.code() or grpc.StatusCode.UNKNOWN
-            self.message = context.details() or ""
+        if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted (counted in its abort)
+            if not self.counted:
+                self.code = context.code() or grpc.StatusCode.UNKNOWN
+                self.message = context.details() or ""
         elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
             self.code = grpc.StatusCode.CANCELLED
         elif isinstance(exc, Exception):
@@ -156,6 +158,24 @@ class _Call:
         metrics.handling_seconds.labels(self.service, self.name).observe(
             time.perf_counter() - self.started)
         self.owner._leave()
+
+
+class _CountingContext:
+    """The context a servicer gets: the call's own, except that an `abort` the servicer sends
+    itself is counted under its code first (as for a raised error), so the count is never behind
+    a status the client has already seen."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, call: _Call) -> None:
+        self._context, self._call = context, call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Any = ()) -> NoReturn:
+        self._call.code, self._call.message = code, details
+        self._call.count()
+        await self._context.abort(code, details, trailing_metadata)
 
 
 class _Unparsable:
@@ -277,7 +297,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             call = _Call(self, method, context)
             try:
                 with call.active():
-                    return await behavior(_parsed(request, client_stream), context)
+                    return await behavior(_parsed(request, client_stream),
+                                          _CountingContext(context, call))
             except BaseException as exc:
                 await call.fail(exc, context)
             finally:
@@ -292,7 +313,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = _Call(self, method, context)
             try:
-                responses = behavior(_parsed(request, client_stream), context)
+                responses = behavior(_parsed(request, client_stream),
+                                     _CountingContext(context, call))
                 async with contextlib.aclosing(responses):
                     while True:
                         with call.active():
