@@ -77,9 +77,9 @@ def test_fused_decode_equals_the_layer_by_layer_path(tiny_gguf, tmp_path, bias, 
 
 
 def test_long_contexts_split_attention_and_still_equal_the_layer_by_layer_path(tiny_gguf, tmp_path):  # noqa: F811
-    """Rows of ~20, ~260 and ~400 positions in one step: attention per query head over the whole
-    context, and per KV head in two and three context splits (merged: the same softmax up to
-    rounding). RoPE has no table, so positions past the tiny model's 256 are fine here."""
+    """Rows of ~20, ~260 and ~400 positions in one step: attention per KV head over the whole
+    context, and in two and three context splits (merged: the same softmax up to rounding). RoPE
+    has no table, so positions past the tiny model's 256 are fine here."""
     path, _ = tiny_gguf
     fused, plain, counter = _models(path, tmp_path)
     runs = [PagedRunner(m, 3, block_size=16, num_blocks=96, max_blocks=30, seed=4) for m in (fused, plain)]
