@@ -336,8 +336,12 @@ dense matmul (and a decode step runs fused, kvmesh.model.llama). All 120 decoder
 SmolLM2-135M on this 2-core machine (one-off, 2 threads, ms): block kernels 16 / 27 / 48 / 87 at
 8 / 16 / 32 / 64 rows, tiled 36 / 35 / 55 / 93 (fp32 weights: 41 / 58 / 84 / 127); at 128 and
 512 rows the tiled path wins (169 / 664 against 185 / 746; fp32 weights 168 / 579)."""
-GGUF_TILE_FLOATS = 163840
-"""fp32 weights the tiled path dequantizes at a time (640 KiB: stays in a core's L2)."""
+GGUF_TILE_FLOATS = 1 << 21
+"""fp32 weights the tiled path dequantizes at a time (8 MiB: a decoder matmul of SmolLM2-135M in
+one tile, the output projection in 14). MKL packs its operands into cache-sized panels itself; a
+tile of weight rows in L2 (640 KiB, 96-284 rows) left it narrow products that ran slower: SmolLM2's
+four decoder matmuls of a layer took 95 -> 77 ms at 2,048 rows and 7.7 -> 6.8 at 128 (paired on a
+2-core Ice Lake, 2 threads; 2.5 and 4 MiB tiles fell between)."""
 
 
 class GGUFLinear(nn.Module):
