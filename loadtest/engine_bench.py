@@ -230,18 +230,7 @@ def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
                 n_threads_batch=threads, n_batch=512, verbose=False)
 
     def gen(ids: list[int], new: int) -> tuple[float, float]:
-        """(time to first token, total time) for one greedy request."""
-        llm.reset()
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if first is None:
-                first = time.perf_counter()
-            n += 1
-            if n >= new:
-                break
-        return first - t0, time.perf_counter() - t0
+        return llama_generate(llm, ids, new)
 
     rows = []
     gen(prompts.take(16), 4)
@@ -263,6 +252,21 @@ def bench_llamacpp(plan: Plan, prompts: Prompts, gguf: Path) -> list[dict]:
     llm.close()  # frees the model and context now, not whenever the object is collected
     gc.collect()
     return rows
+
+
+def llama_generate(llm, ids: list[int], new: int) -> tuple[float, float]:
+    """(time to first token, total time) of one greedy request of `new` tokens on a llama_cpp.Llama."""
+    llm.reset()
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for _tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        if first is None:
+            first = time.perf_counter()
+        n += 1
+        if n >= new:
+            break
+    return first - t0, time.perf_counter() - t0
 
 
 def decode_rows(rates: list[float], system: str) -> list[dict]:
@@ -577,7 +581,12 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
     if gguf is None:
         print("llama.cpp columns skipped: llama.cpp runs GGUF files, the model is an HF folder", file=sys.stderr)
     else:
-        rows += llamacpp_columns(plan, prompts, gguf)
+        skip = llamacpp_skip_reasons()
+        rows += llamacpp_columns(plan, prompts, gguf, skip)
+        if "llamacpp" not in skip:  # the decode ratio with requests in turns (loadtest/paired_decode.py)
+            from kvmesh.loadtest.paired_decode import PAIRS, QUICK_PAIRS, bench_paired_decode
+
+            rows += bench_paired_decode(plan, prompts, base, gguf, QUICK_PAIRS if quick else PAIRS)
     rows += bench_hf(plan, prompts, model)
     machine += machine_rows(usable_cores(), repeats=3 if quick else 7, when="end")
     print(describe(machine))

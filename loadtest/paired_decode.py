@@ -1,0 +1,105 @@
+"""Single-stream decode of the kvmesh engine and llama.cpp taken in turns (`kvmesh bench engine`'s
+paired rows): the ratio of each pair is one measurement of kvmesh against llama.cpp.
+
+NOTE (why). The bench's columns run one after another, minutes apart, and the VMs it runs on lose
+CPU time to their host in phases about that long. Two full runs of the same build on the same
+2-core Ice Lake VM gave llama-cpp-python's decode 58.5 and 99.8 tok/s (and llama-server's 102.4
+and 71.7, in the opposite direction): the decode ratio of the default against llama-cpp-python
+read 1.32x in one and 0.87x in the other. Requests of both systems in alternation see the same
+phase: a pair is one request of each on the same prompt, back to back, and the order within a
+pair alternates (kvmesh first in even pairs), so neither system always runs just after the other
+has warmed or cooled the caches. The rows: each system's median rate over the pairs, and the
+median, min and max of the per-pair ratios.
+
+The kvmesh engine runs as its gRPC service process (as in its column, streaming included); llama.cpp
+runs in this process through llama-cpp-python (the `llamacpp` column's setup). Only one of them
+computes at any time.
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from kvmesh.loadtest.report import row
+
+PAIRS, QUICK_PAIRS = 8, 3
+PEER = "llamacpp"
+
+
+async def alternate(pairs: int, ours: Callable[[int], Awaitable[float]],
+                    theirs: Callable[[int], float]) -> tuple[list[float], list[float]]:
+    """Runs `pairs` pairs, ours(i) and theirs(i) back to back (ours first in even pairs, theirs
+    first in odd ones); returns (our rates, their rates) in pair order."""
+    a, b = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a.append(await ours(i))
+            b.append(theirs(i))
+        else:
+            b.append(theirs(i))
+            a.append(await ours(i))
+    return a, b
+
+
+def paired_rows(ours: list[float], theirs: list[float], system: str = "kvmesh", peer: str = PEER) -> list[dict]:
+    """decode_tok_s_paired for both systems (medians over the pairs) and decode_vs_<peer>_paired
+    (median, min, max of the per-pair ratios ours / theirs)."""
+    if not ours or len(ours) != len(theirs):
+        raise ValueError(f"paired rates need one rate of each system per pair, got {len(ours)} and {len(theirs)}")
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    metric = f"decode_vs_{peer}_paired"
+    return [row("decode_tok_s_paired", statistics.median(ours), "tok/s", system=system, concurrency=1, pairs=len(ours)),
+            row("decode_tok_s_paired", statistics.median(theirs), "tok/s", system=peer, concurrency=1, pairs=len(ours)),
+            row(metric, statistics.median(ratios), "x", system=system, concurrency=1, pairs=len(ours)),
+            row(f"{metric}_min", min(ratios), "x", system=system, concurrency=1, pairs=len(ours)),
+            row(f"{metric}_max", max(ratios), "x", system=system, concurrency=1, pairs=len(ours))]
+
+
+def bench_paired_decode(plan, prompts, engine_args: list[str], gguf: Path, pairs: int) -> list[dict]:
+    """`pairs` pairs of one decode request of the plan's size (decode_prompt tokens of a fresh
+    prompt, decode_tokens new ones) on the kvmesh engine (engine_args: the default column's) and on
+    llama-cpp-python, the same prompt for both within a pair; rates as the decode rows count them
+    ((tokens - 1) / time from the first token to the last)."""
+    import grpc
+    from llama_cpp import Llama
+
+    from kvmesh import launcher
+    from kvmesh.engine.v1 import engine_pb2_grpc
+    from kvmesh.loadtest import engine_bench as eb
+    from kvmesh.threads import usable_cores
+
+    threads = usable_cores()
+    ids = [prompts.take(plan.decode_prompt) for _ in range(pairs)]
+    port = launcher.free_port()
+    svc = launcher.start_service("bench-engine-paired", "kvmesh.services.engine",
+                                 ["--threads", str(threads), *engine_args], port)
+    llm = None
+    try:
+        llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                    n_batch=512, verbose=False)
+
+        def theirs(i: int) -> float:
+            ttft, total = eb.llama_generate(llm, ids[i], plan.decode_tokens)
+            return (plan.decode_tokens - 1) / (total - ttft)
+
+        async def main() -> tuple[list[float], list[float]]:
+            async with grpc.aio.insecure_channel(svc.address) as ch:
+                stub = engine_pb2_grpc.EngineServiceStub(ch)
+
+                async def ours(i: int) -> float:
+                    t0, first, end, n = await eb._one(stub, ids[i], plan.decode_tokens)
+                    return (n - 1) / (end - first)
+
+                warm = prompts.take(16)
+                await eb._one(stub, warm, 4)  # first-call allocations, both sides
+                eb.llama_generate(llm, warm, 4)
+                return await alternate(pairs, ours, theirs)
+
+        ours_rates, their_rates = asyncio.run(main())
+    finally:
+        launcher.stop_service(svc)
+        if llm is not None:
+            llm.close()
+    return paired_rows(ours_rates, their_rates)

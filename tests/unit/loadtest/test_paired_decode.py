@@ -1,0 +1,65 @@
+"""`kvmesh bench engine`'s paired decode rows (loadtest/paired_decode.py): requests of kvmesh and
+llama.cpp in alternation, the order within a pair swapped every pair, and the rows built from the
+per-pair ratios. One test runs both real systems for one pair, skipped without llama-cpp-python."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from kvmesh.loadtest import engine_bench as eb
+from kvmesh.loadtest import paired_decode as pd
+
+
+def test_pairs_alternate_which_system_goes_first():
+    calls = []
+
+    async def ours(i):
+        calls.append(("kvmesh", i))
+        return 100.0 + i
+
+    def theirs(i):
+        calls.append(("llamacpp", i))
+        return 50.0 + i
+
+    a, b = asyncio.run(pd.alternate(4, ours, theirs))
+    assert calls == [("kvmesh", 0), ("llamacpp", 0), ("llamacpp", 1), ("kvmesh", 1),
+                     ("kvmesh", 2), ("llamacpp", 2), ("llamacpp", 3), ("kvmesh", 3)]
+    assert a == [100.0, 101.0, 102.0, 103.0] and b == [50.0, 51.0, 52.0, 53.0]  # in pair order
+
+
+def test_rows_are_the_per_pair_ratios_spread_and_each_systems_median():
+    ours, theirs = [100.0, 90.0, 120.0], [50.0, 100.0, 60.0]  # ratios 2.0, 0.9, 2.0
+    rows = {(r["system"], r["metric"]): r for r in pd.paired_rows(ours, theirs)}
+    assert rows[("kvmesh", "decode_tok_s_paired")]["value"] == 100.0
+    assert rows[("llamacpp", "decode_tok_s_paired")]["value"] == 60.0
+    assert rows[("kvmesh", "decode_vs_llamacpp_paired")]["value"] == 2.0  # not 100 / 60
+    assert rows[("kvmesh", "decode_vs_llamacpp_paired_min")]["value"] == 0.9
+    assert rows[("kvmesh", "decode_vs_llamacpp_paired_max")]["value"] == 2.0
+    assert {r["unit"] for r in rows.values()} == {"tok/s", "x"}
+    assert all(r["pairs"] == 3 and r["concurrency"] == 1 for r in rows.values())
+
+
+def test_rates_that_do_not_pair_up_are_refused():
+    with pytest.raises(ValueError, match="one rate of each system per pair, got 2 and 1"):
+        pd.paired_rows([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="got 0 and 0"):
+        pd.paired_rows([], [])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed (bash scripts/build-llamacpp.sh)")
+def test_one_real_pair_on_the_bundled_gguf():
+    from kvmesh.loadtest.models import bench_model
+    from kvmesh.model.loader import load_tokenizer
+
+    plan = eb.Plan(decode_prompt=8, decode_tokens=6, ttft_prompts=(8,), repeats=1, concurrency=(1,),
+                   conc_prompt=8, conc_tokens=4)
+    rows = pd.bench_paired_decode(plan, eb.Prompts(load_tokenizer("bundled")), bench_model("bundled").engine_args(),
+                                  eb.gguf_file("bundled"), pairs=2)
+    got = {(r["system"], r["metric"]): r["value"] for r in rows}
+    ours, theirs = got[("kvmesh", "decode_tok_s_paired")], got[("llamacpp", "decode_tok_s_paired")]
+    assert ours > 0 and theirs > 0
+    lo, mid, hi = (got[("kvmesh", f"decode_vs_llamacpp_paired{s}")] for s in ("_min", "", "_max"))
+    assert 0 < lo <= mid <= hi
