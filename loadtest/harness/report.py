@@ -102,12 +102,23 @@ def table(levels: list[tuple[dict, Summary]]) -> str:
 
 
 def plot(levels: list[tuple[dict, Summary]], path: str, slo: Optional[str] = None) -> None:
-    """PNG: TTFT and TPOT p50/p99 and goodput against the offered rate, one line per system and
-    workload (open-loop levels only)."""
+    """PNG of `figure`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(levels, slo)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(levels: list[tuple[dict, Summary]], slo: Optional[str] = None):
+    """TTFT and TPOT p50/p99 and goodput against the offered rate, one colour per system and
+    workload (open-loop levels only). The legends sit below the three panels -- the systems' colours,
+    then p50 solid and p99 dashed -- so no legend covers a line, however many systems there are."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     series: dict[str, list[tuple[float, Summary]]] = {}
     for params, s in levels:
@@ -116,23 +127,31 @@ def plot(levels: list[tuple[dict, Summary]], path: str, slo: Optional[str] = Non
         workload = str(params.get("workload", "")) + (f" ({params['class']})" if params.get("class") else "")
         run = f" · run {params['repeat'] + 1}" if "repeat" in params else ""
         series.setdefault(f"{params.get('system', '')} · {workload}{run}", []).append((params["rate"], s))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
+    handles = []
     for label, points in sorted(series.items()):
         points.sort(key=lambda p: p[0])
         rates = [r for r, _ in points]
-        for ax, key, name in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
-            line, = ax.plot(rates, [s.latency[key]["p50"] * 1e3 for _, s in points], marker="o", label=f"{label} p50")
-            ax.plot(rates, [s.latency[key]["p99"] * 1e3 for _, s in points], marker="x", linestyle="--",
-                    color=line.get_color(), label=f"{label} p99")
-            ax.set_title(f"{name} (ms) vs offered rate")
+        color = None
+        for ax, key in ((axes[0], "ttft"), (axes[1], "tpot")):
+            line, = ax.plot(rates, [s.latency[key]["p50"] * 1e3 for _, s in points], marker="o", color=color)
+            color = line.get_color()
+            ax.plot(rates, [s.latency[key]["p99"] * 1e3 for _, s in points], marker="x", linestyle="--", color=color)
         if any(s.goodput is not None for _, s in points):
-            axes[2].plot(rates, [s.goodput or 0.0 for _, s in points], marker="o", label=label)
+            axes[2].plot(rates, [s.goodput or 0.0 for _, s in points], marker="o", color=color)
+        handles.append(Line2D([], [], color=color, marker="o", label=label))
+    axes[0].set_title("TTFT (ms) vs offered rate")
+    axes[1].set_title("TPOT (ms) vs offered rate")
     axes[2].set_title(f"goodput (req/s meeting {slo or 'the SLO'})")
     for ax in axes:
         ax.set_xlabel("offered rate (requests/s)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     axes[0].set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    styles = [Line2D([], [], color="0.3", marker="o", label="p50 (TTFT, TPOT)"),
+              Line2D([], [], color="0.3", marker="x", linestyle="--", label="p99 (TTFT, TPOT)")]
+    rows = -(-len(handles) // 4) if handles else 1
+    fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.01, 0.0), ncol=min(4, max(1, len(handles))),
+               fontsize=9, frameon=False)
+    fig.legend(handles=styles, loc="lower right", bbox_to_anchor=(0.99, 0.0), ncol=2, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.03, 1, 1))
+    return fig
