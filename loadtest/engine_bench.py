@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from kvmesh.loadtest.hf_column import bench_hf
 from kvmesh.loadtest.machine import describe, machine_rows
 from kvmesh.loadtest.report import pivot, row
 from kvmesh.threads import set_torch_threads, usable_cores
@@ -153,61 +154,6 @@ def bench_kvmesh(plan: Plan, prompts: Prompts, engine_args: list[str], system: s
         return [{**r, "system": system} for r in rows]
     finally:
         launcher.stop_service(svc)
-
-
-# ---- Hugging Face transformers (in process) ---------------------------------------------------
-
-def hf_model(source: str):
-    """transformers' model of `source` ('bundled', a .gguf file or an HF folder), fp32, eval."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvmesh.model.loader import bundled_gguf_path
-
-    path = bundled_gguf_path() if source == "bundled" else Path(source)
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
-def bench_hf(plan: Plan, prompts: Prompts, source: str = "bundled") -> list[dict]:
-    import torch
-
-    set_torch_threads(0)
-    model = hf_model(source)
-    eos = model.config.eos_token_id
-    pad = eos if isinstance(eos, int) else eos[0] if eos else 2
-
-    def gen(batch: list[list[int]], new: int) -> float:
-        width = max(len(b) for b in batch)
-        ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
-        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
-        return time.perf_counter() - t0
-
-    rows = []
-    gen([prompts.take(16)], 4)  # warm-up
-    rates = []
-    for _ in range(plan.repeats):
-        ids = prompts.take(plan.decode_prompt)
-        prefill = gen([ids], 1)
-        total = gen([ids], plan.decode_tokens)
-        rates.append((plan.decode_tokens - 1) / (total - prefill))
-    rows.append(row("decode_tok_s", statistics.median(rates), "tok/s", system="hf", concurrency=1))
-    for p in plan.ttft_prompts:
-        ttfts = [gen([prompts.take(p)], 1) for _ in range(plan.repeats)]
-        rows.append(row("ttft_s", statistics.mean(ttfts), "s", system="hf", prompt_tokens=p))
-    for c in plan.concurrency:
-        # HF has no continuous batching: concurrency = one static, left-padded batch.
-        wall = gen([prompts.take(plan.conc_prompt) for _ in range(c)], plan.conc_tokens)
-        rows.append(row("throughput_tok_s", c * plan.conc_tokens / wall, "tok/s", system="hf", concurrency=c))
-    rows.append(row("rss_bytes", float(psutil.Process().memory_info().rss), "bytes", system="hf"))
-    del model
-    gc.collect()
-    return rows
 
 
 # ---- llama.cpp (llama-cpp-python, same GGUF file) ----------------------------------------------
@@ -588,6 +534,9 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
 
             rows += bench_paired_decode(plan, prompts, base, gguf, QUICK_PAIRS if quick else PAIRS)
     rows += bench_hf(plan, prompts, model)
+    from kvmesh.loadtest.paired_decode import PAIRS, QUICK_PAIRS, bench_paired_ttft  # TTFT in turns with HF
+
+    rows += bench_paired_ttft(plan, prompts, base, model, QUICK_PAIRS if quick else PAIRS // 2)
     machine += machine_rows(usable_cores(), repeats=3 if quick else 7, when="end")
     print(describe(machine))
     print(pivot(rows, "system", baseline="hf"))

@@ -1,5 +1,6 @@
-"""Single-stream decode of the kvmesh engine and llama.cpp taken in turns (`kvmesh bench engine`'s
-paired rows): the ratio of each pair is one measurement of kvmesh against llama.cpp.
+"""`kvmesh bench engine`'s paired rows: single-stream decode of the kvmesh engine and llama.cpp, and
+the time to first token of a long prompt on the kvmesh engine and HF transformers, taken in turns:
+the ratio of each pair is one measurement of kvmesh against its peer.
 
 NOTE (why). The bench's columns run one after another, minutes apart, and the VMs it runs on lose
 CPU time to their host in phases about that long. Two full runs of the same build on the same
@@ -12,8 +13,8 @@ has warmed or cooled the caches. The rows: each system's median rate over the pa
 median, min and max of the per-pair ratios.
 
 The kvmesh engine runs as its gRPC service process (as in its column, streaming included); llama.cpp
-runs in this process through llama-cpp-python (the `llamacpp` column's setup). Only one of them
-computes at any time.
+runs in this process through llama-cpp-python (the `llamacpp` column's setup), HF's model too (the
+`hf` column's). Only one of them computes at any time.
 """
 from __future__ import annotations
 
@@ -43,18 +44,23 @@ async def alternate(pairs: int, ours: Callable[[int], Awaitable[float]],
     return a, b
 
 
-def paired_rows(ours: list[float], theirs: list[float], system: str = "kvmesh", peer: str = PEER) -> list[dict]:
-    """decode_tok_s_paired for both systems (medians over the pairs) and decode_vs_<peer>_paired
-    (median, min, max of the per-pair ratios ours / theirs)."""
+def paired_rows(ours: list[float], theirs: list[float], system: str = "kvmesh", peer: str = PEER, *,
+                kind: str = "decode", unit: str = "tok/s", faster_is_lower: bool = False,
+                **params) -> list[dict]:
+    """<kind>_<unit>_paired for both systems (medians over the pairs: decode_tok_s_paired, ttft_s_paired)
+    and <kind>_vs_<peer>_paired (median, min, max of the per-pair ratios, each how many times faster
+    ours was: ours / theirs for rates, theirs / ours for times, `faster_is_lower`). `params` go on
+    every row (default: concurrency=1)."""
     if not ours or len(ours) != len(theirs):
-        raise ValueError(f"paired rates need one rate of each system per pair, got {len(ours)} and {len(theirs)}")
-    ratios = [a / b for a, b in zip(ours, theirs)]
-    metric = f"decode_vs_{peer}_paired"
-    return [row("decode_tok_s_paired", statistics.median(ours), "tok/s", system=system, concurrency=1, pairs=len(ours)),
-            row("decode_tok_s_paired", statistics.median(theirs), "tok/s", system=peer, concurrency=1, pairs=len(ours)),
-            row(metric, statistics.median(ratios), "x", system=system, concurrency=1, pairs=len(ours)),
-            row(f"{metric}_min", min(ratios), "x", system=system, concurrency=1, pairs=len(ours)),
-            row(f"{metric}_max", max(ratios), "x", system=system, concurrency=1, pairs=len(ours))]
+        raise ValueError(f"paired measurements need one of each system per pair, got {len(ours)} and {len(theirs)}")
+    ratios = [(b / a) if faster_is_lower else (a / b) for a, b in zip(ours, theirs)]
+    at = {**(params or {"concurrency": 1}), "pairs": len(ours)}
+    each, metric = f"{kind}_{unit.replace('/', '_')}_paired", f"{kind}_vs_{peer}_paired"
+    return [row(each, statistics.median(ours), unit, system=system, **at),
+            row(each, statistics.median(theirs), unit, system=peer, **at),
+            row(metric, statistics.median(ratios), "x", system=system, **at),
+            row(f"{metric}_min", min(ratios), "x", system=system, **at),
+            row(f"{metric}_max", max(ratios), "x", system=system, **at)]
 
 
 def bench_paired_decode(plan, prompts, engine_args: list[str], gguf: Path, pairs: int) -> list[dict]:
@@ -103,3 +109,45 @@ def bench_paired_decode(plan, prompts, engine_args: list[str], gguf: Path, pairs
         if llm is not None:
             llm.close()
     return paired_rows(ours_rates, their_rates)
+
+
+def bench_paired_ttft(plan, prompts, engine_args: list[str], source: str, pairs: int) -> list[dict]:
+    """`pairs` pairs of one request of the plan's longest TTFT prompt (fresh tokens each pair, the
+    same for both within it): the kvmesh engine (engine_args: the default column's; time to the
+    first streamed token of `max_tokens=1`) and HF transformers in fp32 (`generate` of one token,
+    as the `hf` column times it). Rows ttft_s_paired and ttft_vs_hf_paired (times faster)."""
+    import grpc
+
+    from kvmesh import launcher
+    from kvmesh.engine.v1 import engine_pb2_grpc
+    from kvmesh.loadtest import engine_bench as eb
+    from kvmesh.loadtest.hf_column import hf_generate, hf_model
+    from kvmesh.threads import set_torch_threads, usable_cores
+
+    tokens = max(plan.ttft_prompts)
+    ids = [prompts.take(tokens) for _ in range(pairs)]
+    port = launcher.free_port()
+    svc = launcher.start_service("bench-engine-paired-ttft", "kvmesh.services.engine",
+                                 ["--threads", str(usable_cores()), *engine_args], port)
+    try:
+        set_torch_threads(0)
+        model = hf_model(source)
+
+        async def main() -> tuple[list[float], list[float]]:
+            async with grpc.aio.insecure_channel(svc.address) as ch:
+                stub = engine_pb2_grpc.EngineServiceStub(ch)
+
+                async def ours(i: int) -> float:
+                    t0, first, _end, _n = await eb._one(stub, ids[i], 1)
+                    return first - t0
+
+                warm = prompts.take(16)
+                await eb._one(stub, warm, 1)  # first-call allocations, both sides
+                hf_generate(model, [warm], 1)
+                return await alternate(pairs, ours, lambda i: hf_generate(model, [ids[i]], 1))
+
+        ours_s, theirs_s = asyncio.run(main())
+    finally:
+        launcher.stop_service(svc)
+    return paired_rows(ours_s, theirs_s, peer="hf", kind="ttft", unit="s", faster_is_lower=True,
+                       prompt_tokens=tokens)

@@ -1,6 +1,7 @@
-"""`kvmesh bench engine`'s paired decode rows (loadtest/paired_decode.py): requests of kvmesh and
-llama.cpp in alternation, the order within a pair swapped every pair, and the rows built from the
-per-pair ratios. One test runs both real systems for one pair, skipped without llama-cpp-python."""
+"""`kvmesh bench engine`'s paired rows (loadtest/paired_decode.py): requests of kvmesh and its peer
+(llama.cpp for decode, HF for the time to first token) in alternation, the order within a pair
+swapped every pair, and the rows built from the per-pair ratios. Two tests run the real systems
+for two pairs (the llama.cpp one skipped without llama-cpp-python)."""
 from __future__ import annotations
 
 import asyncio
@@ -42,10 +43,39 @@ def test_rows_are_the_per_pair_ratios_spread_and_each_systems_median():
 
 
 def test_rates_that_do_not_pair_up_are_refused():
-    with pytest.raises(ValueError, match="one rate of each system per pair, got 2 and 1"):
+    with pytest.raises(ValueError, match="one of each system per pair, got 2 and 1"):
         pd.paired_rows([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="got 0 and 0"):
         pd.paired_rows([], [])
+
+
+def test_ttft_rows_count_how_many_times_faster_from_times():
+    ours, theirs = [1.0, 2.0, 1.5], [2.0, 2.0, 4.5]  # seconds: 2x, 1x, 3x faster
+    rows = {(r["system"], r["metric"]): r for r in pd.paired_rows(
+        ours, theirs, peer="hf", kind="ttft", unit="s", faster_is_lower=True, prompt_tokens=2048)}
+    assert rows[("kvmesh", "ttft_s_paired")]["value"] == 1.5
+    assert rows[("hf", "ttft_s_paired")]["value"] == 2.0
+    assert rows[("kvmesh", "ttft_vs_hf_paired")]["value"] == 2.0  # median of 2, 1, 3; not 2.0 / 1.5
+    assert rows[("kvmesh", "ttft_vs_hf_paired_min")]["value"] == 1.0
+    assert rows[("kvmesh", "ttft_vs_hf_paired_max")]["value"] == 3.0
+    assert {r["unit"] for r in rows.values()} == {"s", "x"}
+    assert all(r["prompt_tokens"] == 2048 and r["pairs"] == 3 and "concurrency" not in r for r in rows.values())
+
+
+def test_one_real_ttft_pair_against_hf_on_the_bundled_model():
+    pytest.importorskip("transformers")
+    from kvmesh.loadtest.models import bench_model
+    from kvmesh.model.loader import load_tokenizer
+
+    plan = eb.Plan(decode_prompt=8, decode_tokens=4, ttft_prompts=(8, 24), repeats=1, concurrency=(1,),
+                   conc_prompt=8, conc_tokens=4)
+    rows = pd.bench_paired_ttft(plan, eb.Prompts(load_tokenizer("bundled")), bench_model("bundled").engine_args(),
+                                "bundled", pairs=2)
+    got = {(r["system"], r["metric"]): r for r in rows}
+    assert got[("kvmesh", "ttft_s_paired")]["value"] > 0 and got[("hf", "ttft_s_paired")]["value"] > 0
+    assert all(r["prompt_tokens"] == 24 and r["pairs"] == 2 for r in rows)  # the longest TTFT prompt
+    lo, mid, hi = (got[("kvmesh", f"ttft_vs_hf_paired{s}")]["value"] for s in ("_min", "", "_max"))
+    assert 0 < lo <= mid <= hi
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
