@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from kvmesh.loadtest import paired
 from kvmesh.loadtest.hf_column import bench_hf
 from kvmesh.loadtest.machine import describe, machine_rows
 from kvmesh.loadtest.report import pivot, row
@@ -529,14 +530,10 @@ def run(quick: bool = False, engine_args: list[str] | None = None, model: str = 
     else:
         skip = llamacpp_skip_reasons()
         rows += llamacpp_columns(plan, prompts, gguf, skip)
-        if "llamacpp" not in skip:  # the decode ratio with requests in turns (loadtest/paired_decode.py)
-            from kvmesh.loadtest.paired_decode import PAIRS, QUICK_PAIRS, bench_paired_decode
-
-            rows += bench_paired_decode(plan, prompts, base, gguf, QUICK_PAIRS if quick else PAIRS)
+        if "llamacpp" not in skip:  # the decode ratio with requests in turns (loadtest/paired.py)
+            rows += paired.bench_paired_decode(plan, prompts, base, gguf, paired.QUICK_PAIRS if quick else paired.PAIRS)
     rows += bench_hf(plan, prompts, model)
-    from kvmesh.loadtest.paired_decode import PAIRS, QUICK_PAIRS, bench_paired_ttft  # TTFT in turns with HF
-
-    rows += bench_paired_ttft(plan, prompts, base, model, QUICK_PAIRS if quick else PAIRS // 2)
+    rows += paired.bench_paired_ttft(plan, prompts, base, model, paired.QUICK_PAIRS if quick else paired.TTFT_PAIRS)
     machine += machine_rows(usable_cores(), repeats=3 if quick else 7, when="end")
     print(describe(machine))
     print(pivot(rows, "system", baseline="hf"))

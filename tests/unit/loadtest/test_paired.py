@@ -1,4 +1,4 @@
-"""`kvmesh bench engine`'s paired rows (loadtest/paired_decode.py): requests of kvmesh and its peer
+"""`kvmesh bench engine`'s paired rows (loadtest/paired.py): requests of kvmesh and its peer
 (llama.cpp for decode, HF for the time to first token) in alternation, the order within a pair
 swapped every pair, and the rows built from the per-pair ratios. Two tests run the real systems
 for two pairs (the llama.cpp one skipped without llama-cpp-python)."""
@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from kvmesh.loadtest import engine_bench as eb
-from kvmesh.loadtest import paired_decode as pd
+from kvmesh.loadtest import paired as pd
 
 
 def test_pairs_alternate_which_system_goes_first():

@@ -25,7 +25,8 @@ from typing import Awaitable, Callable
 
 from kvmesh.loadtest.report import row
 
-PAIRS, QUICK_PAIRS = 8, 3
+PAIRS, QUICK_PAIRS = 8, 3  # decode pairs
+TTFT_PAIRS = 4  # TTFT pairs (each ~2 x 2 s of prefill); QUICK_PAIRS with --quick
 PEER = "llamacpp"
 
 
@@ -63,51 +64,64 @@ def paired_rows(ours: list[float], theirs: list[float], system: str = "kvmesh", 
             row(f"{metric}_max", max(ratios), "x", system=system, **at)]
 
 
-def bench_paired_decode(plan, prompts, engine_args: list[str], gguf: Path, pairs: int) -> list[dict]:
-    """`pairs` pairs of one decode request of the plan's size (decode_prompt tokens of a fresh
-    prompt, decode_tokens new ones) on the kvmesh engine (engine_args: the default column's) and on
-    llama-cpp-python, the same prompt for both within a pair; rates as the decode rows count them
-    ((tokens - 1) / time from the first token to the last)."""
+def alternate_with_engine(engine_args: list[str], pairs: int, warm: list[int],
+                          ours: Callable[[object, int], Awaitable[float]], theirs: Callable[[int], float],
+                          warm_peer: Callable[[], object], warm_tokens: int = 1) -> tuple[list[float], list[float]]:
+    """Starts the kvmesh engine service (engine_args, this machine's cores), warms it and the peer
+    (first-call allocations, both sides: one request of `warm`, `warm_tokens` new tokens, to the
+    engine, then `warm_peer()`), then `alternate`s ours(stub, i)
+    and theirs(i); stops the service."""
     import grpc
-    from llama_cpp import Llama
 
     from kvmesh import launcher
     from kvmesh.engine.v1 import engine_pb2_grpc
     from kvmesh.loadtest import engine_bench as eb
     from kvmesh.threads import usable_cores
 
-    threads = usable_cores()
-    ids = [prompts.take(plan.decode_prompt) for _ in range(pairs)]
     port = launcher.free_port()
     svc = launcher.start_service("bench-engine-paired", "kvmesh.services.engine",
-                                 ["--threads", str(threads), *engine_args], port)
-    llm = None
+                                 ["--threads", str(usable_cores()), *engine_args], port)
     try:
-        llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
-                    n_batch=512, verbose=False)
+        async def main() -> tuple[list[float], list[float]]:
+            async with grpc.aio.insecure_channel(svc.address) as ch:
+                stub = engine_pb2_grpc.EngineServiceStub(ch)
+                await eb._one(stub, warm, warm_tokens)
+                warm_peer()
+                return await alternate(pairs, lambda i: ours(stub, i), theirs)
+
+        return asyncio.run(main())
+    finally:
+        launcher.stop_service(svc)
+
+
+def bench_paired_decode(plan, prompts, engine_args: list[str], gguf: Path, pairs: int) -> list[dict]:
+    """`pairs` pairs of one decode request of the plan's size (decode_prompt tokens of a fresh
+    prompt, decode_tokens new ones) on the kvmesh engine (engine_args: the default column's) and on
+    llama-cpp-python, the same prompt for both within a pair; rates as the decode rows count them
+    ((tokens - 1) / time from the first token to the last)."""
+    from llama_cpp import Llama
+
+    from kvmesh.loadtest import engine_bench as eb
+    from kvmesh.threads import usable_cores
+
+    threads = usable_cores()
+    ids = [prompts.take(plan.decode_prompt) for _ in range(pairs)]
+    warm = prompts.take(16)
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+    try:
+        async def ours(stub, i: int) -> float:
+            t0, first, end, n = await eb._one(stub, ids[i], plan.decode_tokens)
+            return (n - 1) / (end - first)
 
         def theirs(i: int) -> float:
             ttft, total = eb.llama_generate(llm, ids[i], plan.decode_tokens)
             return (plan.decode_tokens - 1) / (total - ttft)
 
-        async def main() -> tuple[list[float], list[float]]:
-            async with grpc.aio.insecure_channel(svc.address) as ch:
-                stub = engine_pb2_grpc.EngineServiceStub(ch)
-
-                async def ours(i: int) -> float:
-                    t0, first, end, n = await eb._one(stub, ids[i], plan.decode_tokens)
-                    return (n - 1) / (end - first)
-
-                warm = prompts.take(16)
-                await eb._one(stub, warm, 4)  # first-call allocations, both sides
-                eb.llama_generate(llm, warm, 4)
-                return await alternate(pairs, ours, theirs)
-
-        ours_rates, their_rates = asyncio.run(main())
+        ours_rates, their_rates = alternate_with_engine(engine_args, pairs, warm, ours, theirs,
+                                                        lambda: eb.llama_generate(llm, warm, 4), warm_tokens=4)
     finally:
-        launcher.stop_service(svc)
-        if llm is not None:
-            llm.close()
+        llm.close()
     return paired_rows(ours_rates, their_rates)
 
 
@@ -116,38 +130,22 @@ def bench_paired_ttft(plan, prompts, engine_args: list[str], source: str, pairs:
     same for both within it): the kvmesh engine (engine_args: the default column's; time to the
     first streamed token of `max_tokens=1`) and HF transformers in fp32 (`generate` of one token,
     as the `hf` column times it). Rows ttft_s_paired and ttft_vs_hf_paired (times faster)."""
-    import grpc
-
-    from kvmesh import launcher
-    from kvmesh.engine.v1 import engine_pb2_grpc
     from kvmesh.loadtest import engine_bench as eb
     from kvmesh.loadtest.hf_column import hf_generate, hf_model
-    from kvmesh.threads import set_torch_threads, usable_cores
+    from kvmesh.threads import set_torch_threads
 
     tokens = max(plan.ttft_prompts)
     ids = [prompts.take(tokens) for _ in range(pairs)]
-    port = launcher.free_port()
-    svc = launcher.start_service("bench-engine-paired-ttft", "kvmesh.services.engine",
-                                 ["--threads", str(usable_cores()), *engine_args], port)
-    try:
-        set_torch_threads(0)
-        model = hf_model(source)
+    warm = prompts.take(16)
+    set_torch_threads(0)
+    model = hf_model(source)
 
-        async def main() -> tuple[list[float], list[float]]:
-            async with grpc.aio.insecure_channel(svc.address) as ch:
-                stub = engine_pb2_grpc.EngineServiceStub(ch)
+    async def ours(stub, i: int) -> float:
+        t0, first, _end, _n = await eb._one(stub, ids[i], 1)
+        return first - t0
 
-                async def ours(i: int) -> float:
-                    t0, first, _end, _n = await eb._one(stub, ids[i], 1)
-                    return first - t0
-
-                warm = prompts.take(16)
-                await eb._one(stub, warm, 1)  # first-call allocations, both sides
-                hf_generate(model, [warm], 1)
-                return await alternate(pairs, ours, lambda i: hf_generate(model, [ids[i]], 1))
-
-        ours_s, theirs_s = asyncio.run(main())
-    finally:
-        launcher.stop_service(svc)
+    ours_s, theirs_s = alternate_with_engine(engine_args, pairs, warm, ours,
+                                             lambda i: hf_generate(model, [ids[i]], 1),
+                                             lambda: hf_generate(model, [warm], 1))
     return paired_rows(ours_s, theirs_s, peer="hf", kind="ttft", unit="s", faster_is_lower=True,
                        prompt_tokens=tokens)
