@@ -190,15 +190,21 @@ class ModelRunner:
             context_lens=context_lens,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
         )
+        for _, drafts, flat in draft_rows:
+            sample_rows.extend(range(flat, flat + 1 + len(drafts)))
+        # Only the sampled rows' hidden states are read (unless prompt logprobs want more): the
+        # last layer computes the others' keys and values and skips the rest (see keep).
+        keep = None if prompt_rows or len(sample_rows) == len(input_ids) else sorted(sample_rows)
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches, attn)
+            self.kv_caches, attn, keep=keep)
         chunks = [self._prompt_logprobs(hidden, *r) for r in prompt_rows]
-        for _, drafts, flat in draft_rows:
-            sample_rows.extend(range(flat, flat + 1 + len(drafts)))
         if not sample_rows:
             return StepResult([], torch.empty(0, self.loaded.config.vocab_size), chunks)
+        if keep is not None:
+            where = {r: i for i, r in enumerate(keep)}
+            sample_rows = [where[r] for r in sample_rows]
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()  # [rows, vocab]
         verified, row = [], len(sample_seqs)

@@ -143,6 +143,31 @@ class AttentionMetadata:
             self.prefills.append(_PrefillPlan(starts[i], q, c, blocks, mask))
         self.block_size = block_size
 
+    def rows_as_decodes(self, rows: list[int]) -> AttentionMetadata:
+        """Metadata attending only the flat tokens ``rows`` (sorted, of this prepared step), each
+        as a decode row over its sequence's cache: the token at position p sees keys 0..p, which
+        the step wrote before attending (so its queries need none of the other rows). For a layer
+        whose other rows' outputs nobody reads (the last layer of a prefill chunk, see
+        LlamaForCausalLM.forward's ``keep``)."""
+        if self.block_size is None:
+            raise ValueError("prepare() the step's metadata before selecting rows from it")
+        starts = [0]
+        for q in self.query_lens:
+            starts.append(starts[-1] + q)
+        seqs, ctxs, i = [], [], 0
+        for r in rows:
+            while i < len(self.query_lens) and r >= starts[i + 1]:
+                i += 1
+            if i == len(self.query_lens) or r < starts[i]:
+                raise ValueError(f"row {r} is not a token of this step ({starts[-1]} tokens) or rows are not sorted")
+            seqs.append(i)
+            ctxs.append(self.context_lens[i] - self.query_lens[i] + r - starts[i] + 1)
+        dev = self.block_tables.device
+        index = torch.tensor(rows, dtype=torch.long, device=dev)
+        tables = self.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=dev))
+        return AttentionMetadata.build(self.slot_mapping.index_select(0, index), [1] * len(rows), ctxs,
+                                       tables, self.block_size)
+
     def window_decode_mask(self, window: int) -> torch.Tensor | None:
         """[D, 1, 1, nb*block_size] bool for the decode rows under a sliding window of ``window``
         keys (key position in [ctx - window, ctx)), or None when no decode row's context exceeds

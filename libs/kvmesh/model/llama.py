@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.model.attention import AttentionMetadata, KVCache, paged_attention
+from kvmesh.model.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 from kvmesh.model import fused_rows
 from kvmesh.model.config import ModelConfig, RopeScaling
 from kvmesh.model.native import LINEAR_ROWS, linear_rows_kernel
@@ -227,6 +227,21 @@ class LlamaDecoderLayer(nn.Module):
                             window=self.self_attn.window)  # [T, heads, hd]
         return self.attention_outputs(x, o.reshape(x.shape[0], -1))
 
+    def forward_rows(self, x, cos, sin, kv_cache, attn: AttentionMetadata, keep: list[int]) -> torch.Tensor:
+        """``forward`` for a layer of which only the rows ``keep`` (sorted flat indices) are read
+        afterwards: every row's keys and values go into the cache, but the attention, o, the
+        norm and the MLP run for the kept rows alone, each attended as a decode row
+        (AttentionMetadata.rows_as_decodes). x: [T, hidden] -> [len(keep), hidden]."""
+        q, k, v = self.attention_inputs(x, cos, sin)
+        write_kv(k, v, kv_cache[0], kv_cache[1], attn.slot_mapping)
+        if not keep:
+            return x[:0]
+        rows = torch.tensor(keep, dtype=torch.long, device=x.device)
+        o = paged_attention(q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
+                            kv_cache[0], kv_cache[1], attn.rows_as_decodes(keep), self.self_attn.scale,
+                            window=self.self_attn.window)  # [len(keep), heads, hd]
+        return self.attention_outputs(x.index_select(0, rows), o.reshape(len(keep), -1))
+
     def forward_dense(self, x, cos, sin) -> torch.Tensor:
         # x: [B, T, hidden] -> [B, T, hidden]
         return self.attention_outputs(x, self.self_attn.attend_dense(*self.attention_inputs(x, cos, sin)))
@@ -321,10 +336,15 @@ class LlamaForCausalLM(nn.Module):
         return cut.train(self.training)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache,
-                attn: AttentionMetadata) -> torch.Tensor:
+                attn: AttentionMetadata, keep: list[int] | None = None) -> torch.Tensor:
         """Paged forward over a flattened batch. input_ids, positions: [T] -> final hidden [T, hidden].
 
         Writes each layer's new keys/values into ``kv_caches`` at ``attn.slot_mapping``.
+        ``keep`` (sorted flat indices): only these rows' hidden states are wanted ([len(keep),
+        hidden] is returned, in keep's order). The last layer then computes every row's keys
+        and values but the rest of its work (attention, o, MLP) for the kept rows alone: a
+        prefill chunk's other rows feed the cache, not the logits (at 2,048 prompt tokens of
+        SmolLM2-135M, 1/30 of the work skipped). Nothing upstream of that layer changes.
         """
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"need {self.config.num_layers} KV caches, got {len(kv_caches)}")
@@ -335,9 +355,14 @@ class LlamaForCausalLM(nn.Module):
                 and h.dtype == torch.float32 and h.device.type == "cpu":
             fused = self.gguf_decode()
             if fused is not None:  # the whole stack in one native call (GGUF weights)
-                return fused(h, cos, sin, kv_caches, attn)
-        for layer, cache in zip(self.model.layers, kv_caches):
+                h = fused(h, cos, sin, kv_caches, attn)
+                return h if keep is None else h.index_select(0, torch.tensor(keep, dtype=torch.long))
+        layers = list(self.model.layers)
+        last = len(layers) if keep is None else len(layers) - 1
+        for layer, cache in zip(layers[:last], kv_caches[:last]):
             h = layer(h, cos, sin, cache, attn)
+        if keep is not None:
+            h = layers[-1].forward_rows(h, cos, sin, kv_caches[-1], attn, keep)
         return self.model.norm(h)
 
     def gguf_decode(self):
