@@ -26,8 +26,14 @@ bits), and each dot product takes six of the nine piece products (1·1, 1·2, 2�
 Sums, softmax and the accumulator are fp32, and 2^x is a degree-6 polynomial within 1e-7 (~2
 ulp). The tests hold it within torch's own fp32 SDPA error of SDPA in fp64. Six products for one
 make the tile work 6x bf16's; K and V are split once per call into per-head piece arrays (in
-buffers the calling thread keeps; V^T 32 keys at a time, whole cache lines), and tiles 6 and 7 alternate as A so one loads while the other
-is in use. One-off, in process, 9 query heads over 3 KV heads: a 512-token chunk at offsets 0 /
+buffers the calling thread keeps; V^T 32 keys at a time, whole cache lines). Loading A tiles
+(the keys' and values' pieces, from L2) bounds it more than the products do: an experiment that
+loaded every A tile from one L1-resident address ran 0.73x the time, one with no A loads 0.58x.
+So the three B pieces (the queries' for q·k, the weights' for p·v) stay in tiles 4..6 and each
+A piece is loaded once for all its products, into tile 7: 12 A loads per 24 products instead of 16 with two B tiles
+(0.85x the time, paired with the two-B kernel: 9 rounds of a 2,048-token prompt in 512-token
+chunks, 28.0 against 23.9 ms a layer; software prefetching of the A tiles gained nothing
+measurable). Earlier one-off, in process, 9 query heads over 3 KV heads: a 512-token chunk at offsets 0 /
 512 / 1,536 took ~2.0 / 3.9 / 9.2 ms against SDPA's ~3.7 / 7.6 / 16.2 ms.
 
 NOTE (scope). Causal only, queries at positions ``offset .. offset + Lq - 1`` against keys
@@ -266,8 +272,10 @@ struct Bf16Pieces {
 };
 
 // fp32-accurate (NOTE (fp32)): q, k, v, p as three bf16 pieces each, six products per dot
-// product. Tiles: 0..3 S^T, 6..7 A (key pieces; one loads while the other is in use), 4..5 B
-// (Q^T pieces); then 0..3 O^T, 6..7 A (V^T pieces), 4..5 B (P^T pieces).
+// product. Tiles: 0..3 S^T, 4..6 B (the three Q^T pieces), 7 A (a key piece); then 0..3 O^T,
+// 4..6 B (the three P^T pieces), 7 A (a V^T piece). With all three B pieces in tiles each A tile
+// -- the step's keys and values, read from L2 -- is loaded once for all its products (12 A loads
+// per 24 products, where two B tiles took 16: NOTE (fp32)).
 struct F32Pieces {
   using Out = float;
   static inline __m512 exp2(__m512 x) { return exp2_f32(x); }
@@ -294,13 +302,11 @@ struct F32Pieces {
     kc = kv.Kc + hk * 3 * kv.Lp * D;
     vt = kv.Vt + hk * 3 * D * kv.Ls;
   }
-// A pair of A tiles (6, 7: groups g, g + 1 of 16 keys of piece i) against B tiles Ba, Bb.
-#define KVMESH_QK2(i, g, g1, Ba, Bb) \
-  _tile_loadd(6, kr + (i) * Lp * D + (g) * 16 * D, D * 2); _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D + 16 * D, D * 2); \
-  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba); _tile_dpbf16ps(g, 6, Bb); _tile_dpbf16ps(g1, 7, Bb);
-#define KVMESH_QK1(i, g, g1, Ba) \
-  _tile_loadd(6, kr + (i) * Lp * D + (g) * 16 * D, D * 2); _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D + 16 * D, D * 2); \
-  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba);
+// Key piece i, keys 16 g .. 16 g + 15, into A tile 7, times the first n query pieces (B tiles
+// 4, 5, 6) into accumulator g.
+#define KVMESH_QK(i, g, n) \
+  _tile_loadd(7, kr + (i) * Lp * D + (g) * 16 * D, D * 2); \
+  _tile_dpbf16ps(g, 7, 4); if ((n) > 1) _tile_dpbf16ps(g, 7, 5); if ((n) > 2) _tile_dpbf16ps(g, 7, 6);
   // S^T, two sub-blocks of 32 keys at a time: four accumulators (keys 16 g .. 16 g + 15).
   // Products k_1 q_1, k_1 q_2, k_1 q_3, k_2 q_1, k_2 q_2, k_3 q_1 (the three left out are each
   // below 2^-24 of |k q|).
@@ -312,19 +318,17 @@ struct F32Pieces {
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       for (int cc = 0; cc < 2; ++cc) {
         const uint16_t* kr = kh + (k0 + sb * KB) * D + 32 * cc;
-        _tile_loadd(4, qp[0][cc], 64); _tile_loadd(5, qp[1][cc], 64);
-        KVMESH_QK2(0, 0, 1, 4, 5) KVMESH_QK2(0, 2, 3, 4, 5) KVMESH_QK2(1, 0, 1, 4, 5) KVMESH_QK2(1, 2, 3, 4, 5)
-        KVMESH_QK1(2, 0, 1, 4) KVMESH_QK1(2, 2, 3, 4)
-        _tile_loadd(5, qp[2][cc], 64);
-        KVMESH_QK1(0, 0, 1, 5) KVMESH_QK1(0, 2, 3, 5)
+        _tile_loadd(4, qp[0][cc], 64); _tile_loadd(5, qp[1][cc], 64); _tile_loadd(6, qp[2][cc], 64);
+        KVMESH_QK(0, 0, 3) KVMESH_QK(0, 1, 3) KVMESH_QK(0, 2, 3) KVMESH_QK(0, 3, 3)
+        KVMESH_QK(1, 0, 2) KVMESH_QK(1, 1, 2) KVMESH_QK(1, 2, 2) KVMESH_QK(1, 3, 2)
+        KVMESH_QK(2, 0, 1) KVMESH_QK(2, 1, 1) KVMESH_QK(2, 2, 1) KVMESH_QK(2, 3, 1)
       }
       _tile_stored(0, sbuf[sb * KB], 64); _tile_stored(1, sbuf[sb * KB + 16], 64);
       _tile_stored(2, sbuf[sb * KB + 32], 64); _tile_stored(3, sbuf[sb * KB + 48], 64);
     }
     return nsb;
   }
-#undef KVMESH_QK2
-#undef KVMESH_QK1
+#undef KVMESH_QK
   // the pieces of keys i, i + 1's weights, paired as the B layout wants
   inline __attribute__((always_inline)) void weights(int i, __m512 p0, __m512 p1, __m512i pairs) {
     __m256i a0[3], a1[3];
@@ -335,13 +339,11 @@ struct F32Pieces {
       _mm512_store_si512(pp[pc][i / KB][(i % KB) / 2], w);
     }
   }
-// V^T piece i, dims 16 g .. 16 g + 31 (A tiles 6, 7), against P^T pieces in Ba, Bb.
-#define KVMESH_PV2(i, g, g1, Ba, Bb) \
-  _tile_loadd(6, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls + 16 * Ls, Ls * 2); \
-  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba); _tile_dpbf16ps(g, 6, Bb); _tile_dpbf16ps(g1, 7, Bb);
-#define KVMESH_PV1(i, g, g1, Ba) \
-  _tile_loadd(6, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls + 16 * Ls, Ls * 2); \
-  _tile_dpbf16ps(g, 6, Ba); _tile_dpbf16ps(g1, 7, Ba);
+// V^T piece i, dims 16 g .. 16 g + 15, into A tile 7, times the first n P^T pieces (B tiles
+// 4, 5, 6) into accumulator g.
+#define KVMESH_PV(i, g, n) \
+  _tile_loadd(7, va + (i) * D * Ls + (g) * 16 * Ls, Ls * 2); \
+  _tile_dpbf16ps(g, 7, 4); if ((n) > 1) _tile_dpbf16ps(g, 7, 5); if ((n) > 2) _tile_dpbf16ps(g, 7, 6);
   // tiles 0..3 = the step's V^T . P^T: v_1 p_1, v_1 p_2, v_1 p_3, v_2 p_1, v_2 p_2, v_3 p_1
   inline __attribute__((always_inline)) void values(int64_t k0, int nsb) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -349,15 +351,13 @@ struct F32Pieces {
     const uint16_t* const vh = vt;
     for (int sb = 0; sb < nsb; ++sb) {
       const uint16_t* va = vh + k0 + sb * KB;
-      _tile_loadd(4, pp[0][sb], 64); _tile_loadd(5, pp[1][sb], 64);
-      KVMESH_PV2(0, 0, 1, 4, 5) KVMESH_PV2(0, 2, 3, 4, 5) KVMESH_PV2(1, 0, 1, 4, 5) KVMESH_PV2(1, 2, 3, 4, 5)
-      KVMESH_PV1(2, 0, 1, 4) KVMESH_PV1(2, 2, 3, 4)
-      _tile_loadd(5, pp[2][sb], 64);
-      KVMESH_PV1(0, 0, 1, 5) KVMESH_PV1(0, 2, 3, 5)
+      _tile_loadd(4, pp[0][sb], 64); _tile_loadd(5, pp[1][sb], 64); _tile_loadd(6, pp[2][sb], 64);
+      KVMESH_PV(0, 0, 3) KVMESH_PV(0, 1, 3) KVMESH_PV(0, 2, 3) KVMESH_PV(0, 3, 3)
+      KVMESH_PV(1, 0, 2) KVMESH_PV(1, 1, 2) KVMESH_PV(1, 2, 2) KVMESH_PV(1, 3, 2)
+      KVMESH_PV(2, 0, 1) KVMESH_PV(2, 1, 1) KVMESH_PV(2, 2, 1) KVMESH_PV(2, 3, 1)
     }
   }
-#undef KVMESH_PV2
-#undef KVMESH_PV1
+#undef KVMESH_PV
   static inline __attribute__((always_inline)) void store(float* dst, __m512 r) { _mm512_storeu_ps(dst, r); }
 };
 

@@ -56,14 +56,16 @@ def test_matches_sdpa_in_fp32(lq, offset, heads, kvh):
 def test_fp32_is_as_close_to_exact_as_torch_fp32(lq, offset, heads, kvh):
     """fp32 in: q, k, v and the weights each three bf16 pieces (six products per dot product),
     fp32 softmax with an exp within 2 ulp. Its error against SDPA in fp64 stays within torch's
-    own fp32 SDPA error (x2), ~1e-6 -- where bf16 anywhere would show as ~1e-3."""
+    own fp32 SDPA error, ~1e-6..1e-5 -- where bf16 anywhere would show as ~1e-3, and one 2^-16
+    piece product left out of one 16-dim group (v_2 p_2) as 1.2-2x torch's error: the bound
+    has no factor 2, so that is caught too (checked by dropping it)."""
     q, k, v = fused(lq, offset, heads, kvh, spread=2.0, dtype=torch.float32)
     out = torch.full((lq, heads, 64), float("nan"))
     assert amx_attention.causal_attention_(out, q, k, v, offset, 0.125)
     exact = reference(q, k, v, offset, 0.125, torch.float64)
     err = (out - exact).abs().max().item()
     torch_fp32 = (reference(q, k, v, offset, 0.125) - exact).abs().max().item()
-    assert err <= 2 * torch_fp32 + 1e-6, (err, torch_fp32)  # (+ a few ulp: one key alone is exact in torch)
+    assert err <= torch_fp32 + 1e-6, (err, torch_fp32)  # (+ a few ulp: one key alone is exact in torch)
     assert err < 2e-5
 
 
